@@ -1,0 +1,285 @@
+"""The one dispatch point for the two heavy ops of GLIDE training.
+
+- ``attention``: causal attention with an optional sliding window (draft self-attention) and an
+  optional lag (draft cross-attention onto the target's K/V). flash-attn on CUDA when installed,
+  otherwise torch SDPA with an explicit boolean mask, chunked over queries.
+- ``linear_cross_entropy``: next-token loss straight from hidden states and the lm_head weight,
+  in fp32, without ever holding the full (N, V) logits. Liger's fused kernel on CUDA when
+  installed, otherwise a chunked autograd Function.
+
+Visibility rule shared by both attention paths (query index t, key index s, both from 0):
+    s <= t - lag                      (causal, shifted back by ``lag``)
+    s >  t - lag - window             (only when ``window`` is set: ``window`` keys at most)
+Queries with no visible key (t < lag, or everything padded) return 0, never NaN.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+# Score elements (B * nh * Tq * Sk) per SDPA call on the reference path: bounds memory at long T.
+_SDPA_SCORE_BUDGET = 1 << 24
+# Rows of logits per chunk on the reference cross-entropy path (see bench/bench_linear_ce.py).
+DEFAULT_CE_CHUNK = 1024
+
+
+# ----------------------------------------------------------------------------- availability
+
+@lru_cache(maxsize=None)
+def _flash_attn_func():
+    """flash_attn_func or None (not installed, or installed but unusable here)."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return None
+    try:
+        from flash_attn import flash_attn_func
+    except Exception:  # a wheel built against another torch/CUDA fails at import
+        return None
+    return flash_attn_func
+
+
+@lru_cache(maxsize=None)
+def _liger_loss_cls():
+    if importlib.util.find_spec("liger_kernel") is None:
+        return None
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except Exception:
+        return None
+    return LigerFusedLinearCrossEntropyLoss
+
+
+def backend(device: torch.device | str | None = None) -> dict[str, str]:
+    """Which implementation each op uses on ``device`` (default: cuda if present), for logs."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    on_cuda = torch.device(device).type == "cuda"
+    return {
+        "attention": "flash_attn" if on_cuda and _flash_attn_func() is not None else "sdpa",
+        "linear_cross_entropy": "liger" if on_cuda and _liger_loss_cls() is not None else "chunked",
+    }
+
+
+# ----------------------------------------------------------------------------- attention
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    lag: int = 0,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    impl: str | None = None,
+    q_chunk: int | None = None,
+) -> torch.Tensor:
+    """Attention with GQA. q (B, nh, T, hd); k, v (B, kvh, S, hd) -> (B, nh, T, hd).
+
+    window: query t sees at most ``window`` keys, ending at t - lag. lag: query t sees keys up to
+    t - lag only. key_padding_mask (B, S) bool/int, True/1 = real token. impl: None (automatic),
+    "flash" or "sdpa" (forcing flash where it cannot run raises).
+    """
+    B, nh, T, hd = q.shape
+    if k.dim() != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[-1] != hd:
+        raise ValueError(f"attention: k/v {tuple(k.shape)}/{tuple(v.shape)} do not fit q {tuple(q.shape)}")
+    kvh = k.shape[1]
+    if nh % kvh != 0:
+        raise ValueError(f"attention: {nh} query heads is not a multiple of {kvh} key/value heads")
+    if lag < 0 or (window is not None and window < 1):
+        raise ValueError(f"attention: lag must be >= 0 and window >= 1 (got lag={lag}, window={window})")
+    if not causal and (lag or window is not None):
+        raise ValueError("attention: window and lag need causal=True")
+    if key_padding_mask is not None:
+        key_padding_mask = key_padding_mask.to(device=q.device, dtype=torch.bool)
+        if key_padding_mask.all():
+            key_padding_mask = None
+    scale = scale if scale is not None else 1.0 / math.sqrt(hd)
+    if k.dtype != q.dtype:  # e.g. an fp32 draft attending to bf16 target K/V
+        k, v = k.to(q.dtype), v.to(q.dtype)
+
+    use_flash = _flash_usable(q, k, causal, key_padding_mask)
+    if impl == "flash" and not use_flash:
+        raise RuntimeError("attention: flash-attn requested but not usable (needs CUDA, fp16/bf16, S == T, no padding)")
+    if impl == "sdpa" or not use_flash:
+        return _sdpa_attention(q, k, v, causal, window, lag, key_padding_mask, scale, q_chunk)
+    return _flash_attention(q, k, v, causal, window, lag, scale)
+
+
+def _flash_usable(q, k, causal, key_padding_mask) -> bool:
+    return (
+        _flash_attn_func() is not None
+        and q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and key_padding_mask is None
+        and (not causal or k.shape[2] == q.shape[2])
+    )
+
+
+def _flash_attention(q, k, v, causal, window, lag, scale):
+    flash_attn_func = _flash_attn_func()
+    B, nh, T, hd = q.shape
+    if lag >= T:
+        return torch.zeros_like(q)
+    qf, kf, vf = (x.transpose(1, 2) for x in (q, k, v))          # (B, T, heads, hd)
+    if lag:  # shifting queries back by `lag` turns "t sees <= t - lag" into a plain causal mask
+        qf, kf, vf = qf[:, lag:], kf[:, : T - lag], vf[:, : T - lag]
+    win = (window - 1, 0) if window is not None else (-1, -1)
+    out = flash_attn_func(qf, kf, vf, softmax_scale=scale, causal=causal, window_size=win)  # (B, T-lag, nh, hd)
+    if lag:
+        out = torch.cat([out.new_zeros(B, lag, nh, hd), out], dim=1)
+    return out.transpose(1, 2)                                     # (B, nh, T, hd)
+
+
+def visible_mask(t_idx: torch.Tensor, s_idx: torch.Tensor, window: int | None, lag: int) -> torch.Tensor:
+    """(Tq, Sk) bool: which keys s each query t may see (see module docstring)."""
+    rel = t_idx[:, None] - lag - s_idx[None, :]    # >= 0 means key at or before t - lag
+    mask = rel >= 0
+    if window is not None:
+        mask &= rel < window
+    return mask
+
+
+def _sdpa_attention(q, k, v, causal, window, lag, key_padding_mask, scale, q_chunk):
+    B, nh, T, hd = q.shape
+    kvh, S = k.shape[1], k.shape[2]
+    g = nh // kvh
+    if not causal:
+        mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
+        qg = q.reshape(B, kvh, g * T, hd)
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+        return out.reshape(B, nh, T, hd)
+
+    first = min(lag, T)              # queries before `lag` see nothing: output 0
+    keys_per_query = S if window is None else min(S, window)
+    if q_chunk is None:
+        q_chunk = _SDPA_SCORE_BUDGET // max(1, B * nh * 2 * keys_per_query)
+    q_chunk = max(16, int(q_chunk))
+    pieces = [q.new_zeros(B, nh, first, hd)] if first else []
+    for t0 in range(first, T, q_chunk):
+        t1 = min(T, t0 + q_chunk)
+        lo = 0 if window is None else max(0, t0 - lag - window + 1)   # first key any query here sees
+        hi = min(S, t1 - lag)                                          # one past the last one
+        pieces.append(_sdpa_chunk(q, k, v, t0, t1, lo, hi, window, lag, key_padding_mask, scale))
+    return torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
+
+
+def _sdpa_chunk(q, k, v, t0, t1, lo, hi, window, lag, key_padding_mask, scale):
+    B, nh, _, hd = q.shape
+    kvh = k.shape[1]
+    g, Tc = nh // kvh, t1 - t0
+    if hi <= lo:   # no key in range (keys shorter than queries): nothing visible
+        return q.new_zeros(B, nh, Tc, hd)
+    dev = q.device
+    mask = visible_mask(torch.arange(t0, t1, device=dev), torch.arange(lo, hi, device=dev), window, lag)
+    mask = mask.repeat(g, 1)[None, None]                         # (1, 1, g*Tc, Sc): rows ordered (group, t)
+    if key_padding_mask is not None:
+        mask = mask & key_padding_mask[:, None, None, lo:hi]      # (B, 1, g*Tc, Sc)
+    row_ok = mask.any(-1, keepdim=True)                           # (., 1, g*Tc, 1)
+    all_ok = bool(row_ok.all())
+    if not all_ok:  # give empty rows one key so softmax stays finite, then zero them below
+        mask = mask | (~row_ok & (torch.arange(hi - lo, device=dev) == 0))
+    # Fold the query heads of each KV group into the sequence axis: no K/V copy per head.
+    qc = q[:, :, t0:t1].reshape(B, kvh, g * Tc, hd)               # (B, kvh, g*Tc, hd)
+    kc, vc = k[:, :, lo:hi], v[:, :, lo:hi]                       # (B, kvh, Sc, hd)
+    out = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale)
+    if not all_ok:
+        out = out * row_ok.to(out.dtype)
+    return out.reshape(B, nh, Tc, hd)
+
+
+# ----------------------------------------------------------------------------- linear cross entropy
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+    impl: str | None = None,
+) -> torch.Tensor:
+    """mean_i CE(hidden_i @ weight.T, labels_i) over labels != ignore_index, in fp32.
+
+    hidden (N, H), weight (V, H), labels (N,) -> scalar fp32. 0 (zero grads) when every label
+    is ignored. impl: None (automatic), "liger" or "chunked".
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"linear_cross_entropy: hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not fit")
+    if labels.shape != hidden.shape[:1]:
+        raise ValueError(f"linear_cross_entropy: labels {tuple(labels.shape)} for hidden {tuple(hidden.shape)}")
+    labels = labels.to(hidden.device)
+    valid = labels != ignore_index
+    n_valid = int(valid.sum())
+    if n_valid == 0:  # zero loss still wired to the inputs so backward() works and gives zero grads
+        return hidden[:0].float().sum() + weight[:0].float().sum()
+    vocab = weight.shape[0]
+    bad = valid & ((labels < 0) | (labels >= vocab))
+    if bad.any():
+        raise ValueError(f"linear_cross_entropy: label {int(labels[bad][0])} outside the vocabulary (size {vocab})")
+
+    use_liger = _liger_loss_cls() is not None and hidden.is_cuda
+    if impl == "liger" and not use_liger:
+        raise RuntimeError("linear_cross_entropy: liger requested but not usable (needs CUDA and liger-kernel)")
+    if impl != "chunked" and use_liger:
+        loss_fn = _liger_loss_cls()(ignore_index=ignore_index, reduction="mean")
+        return loss_fn(weight.float(), hidden.float(), labels).float()
+
+    grad_on = torch.is_grad_enabled()
+    need_gh = grad_on and hidden.requires_grad
+    need_gw = grad_on and weight.requires_grad
+    chunk = int(chunk_size or DEFAULT_CE_CHUNK)
+    if chunk < 1:
+        raise ValueError(f"linear_cross_entropy: chunk_size must be >= 1 (got {chunk_size})")
+    return _ChunkedLinearCE.apply(hidden, weight, labels, valid, n_valid, chunk, need_gh, need_gw)
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    """Loss and both gradients computed chunk by chunk in forward (as Liger does).
+
+    Backward then only scales the stored gradients, so it never needs ``weight`` again; this is
+    what lets the caller release a ZeRO-3 gathered lm_head right after the forward.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, valid, n_valid, chunk, need_gh, need_gw):
+        w = weight.float()                                         # (V, H) fp32
+        rows = valid.nonzero().squeeze(1)                          # only labelled rows cost anything
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.zeros_like(hidden) if need_gh else None     # (N, H)
+        grad_w = torch.zeros_like(w) if need_gw else None          # (V, H) fp32
+        for s in range(0, rows.numel(), chunk):
+            idx = rows[s : s + chunk]
+            h = hidden.index_select(0, idx).float()                # (C, H)
+            y = labels.index_select(0, idx)                        # (C,)
+            logits = h @ w.T                                       # (C, V)
+            lse = torch.logsumexp(logits, dim=-1)                  # (C,)
+            loss += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
+            if not (need_gh or need_gw):
+                continue
+            dlogits = logits.sub_(lse[:, None]).exp_()             # softmax, in place: (C, V)
+            dlogits[torch.arange(idx.numel(), device=idx.device), y] -= 1.0
+            dlogits.mul_(1.0 / n_valid)
+            if need_gh:
+                grad_h.index_copy_(0, idx, (dlogits @ w).to(hidden.dtype))
+            if need_gw:
+                grad_w.addmm_(dlogits.T, h)
+        ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
+        ctx.flags = (need_gh, need_gw, weight.dtype)
+        return loss / n_valid
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        need_gh, need_gw, w_dtype = ctx.flags
+        saved = list(ctx.saved_tensors)
+        gh = gw = None
+        if need_gh:
+            gh = saved.pop(0)
+            gh = gh * grad_out.to(gh.dtype)
+        if need_gw:
+            gw = (saved.pop(0) * grad_out).to(w_dtype)
+        return gh, gw, None, None, None, None, None, None

@@ -1,0 +1,353 @@
+"""The tiny preset: a synthetic language, a byte-level BPE tokenizer, a briefly pre-trained
+Qwen2- or Llama-family target and the three stages' data, all built locally and offline.
+
+    python -m longspec.tiny build OUT [--family qwen2|llama] [--seed N] [--json] [--force]
+
+writes OUT/target/ (an ordinary Hugging Face model folder: config, safetensors, tokenizer) and
+OUT/data/{base,long,longcot}.jsonl. The tokenizer and target depend only on TINY_VERSION and the
+family, so they are trained once and then copied from a cache ($LONGSPEC_CACHE, else
+~/.cache/longspec/tiny/); `seed` only changes the stage data.
+
+The language is small and regular on purpose, so that a draft can learn it in minutes:
+templated sentences, counting, cyclic lists, copying, sums, and key/value facts that are
+stated once and asked for much later (long-range look-ups for the long-context stages).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TINY_VERSION = "1"
+FAMILIES = ("qwen2", "llama")
+CONTEXT_LIMIT = 32768
+EOS_TOKEN = "<|endoftext|>"
+SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2 (BPE trainer order)
+VOCAB_SIZE = 768
+# Qwen-style ChatML; pad == eos as in the upstream stage configs.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+MODEL_SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, intermediate_size=128)
+PRETRAIN = dict(steps=300, batch=8, seq=384, lr=3e-3, warmup=20, seed=1234)
+
+
+def tiny_target_info() -> dict:
+    """What a preset needs to know about the tiny target without building it."""
+    return {
+        "version": TINY_VERSION,
+        "families": list(FAMILIES),
+        "context_limit": CONTEXT_LIMIT,
+        "eos_token": EOS_TOKEN,
+        "eos_token_id": SPECIAL_TOKENS.index(EOS_TOKEN),
+        "pad_token": EOS_TOKEN,
+        "pad_token_id": SPECIAL_TOKENS.index(EOS_TOKEN),
+        "vocab_size": VOCAB_SIZE,
+        **MODEL_SIZES,
+    }
+
+
+# --------------------------------------------------------------------------- the language
+
+NOUNS = ["cat", "dog", "fox", "bird", "fish", "tree", "river", "stone", "house", "boat",
+         "king", "queen", "robot", "star", "moon", "garden"]
+ADJS = ["red", "blue", "green", "small", "big", "old", "young", "quiet", "happy", "dark"]
+VERBS = ["sees", "likes", "finds", "follows", "helps", "draws", "moves", "keeps"]
+PLACES = ["near the river", "in the garden", "under the moon", "by the house", "on the hill"]
+NAMES = ["ada", "bob", "cleo", "dan", "eve", "finn", "gus", "hana", "ivo", "juno", "kai",
+         "lena", "milo", "nora", "otto", "pia", "quin", "rosa", "sam", "tara"]
+THINGS = ["code", "key", "room", "age", "score"]
+CYCLES = [["monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"],
+          ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"],
+          ["north", "east", "south", "west"],
+          ["spring", "summer", "autumn", "winter"]]
+
+
+class Lang:
+    """Sentence makers over one random stream; every method returns plain text."""
+
+    def __init__(self, rng: random.Random):
+        self.r = rng
+
+    def sentence(self) -> str:
+        r = self.r
+        s = f"the {r.choice(ADJS)} {r.choice(NOUNS)} {r.choice(VERBS)} the {r.choice(NOUNS)}"
+        return s + (f" {r.choice(PLACES)} ." if r.random() < 0.4 else " .")
+
+    def counting(self) -> str:
+        a, n = self.r.randrange(0, 180), self.r.randrange(4, 12)
+        return f"count from {a} : " + " ".join(str(a + i) for i in range(n)) + " ."
+
+    def cycle(self) -> str:
+        c = self.r.choice(CYCLES)
+        a, n = self.r.randrange(len(c)), self.r.randrange(3, 9)
+        return "list : " + " ".join(c[(a + i) % len(c)] for i in range(n)) + " ."
+
+    def copy(self) -> str:
+        words = [self.r.choice(NOUNS + ADJS) for _ in range(self.r.randrange(3, 7))]
+        return "copy : " + " ".join(words) + " | " + " ".join(words) + " ."
+
+    def sum(self) -> str:
+        a, b = self.r.randrange(0, 50), self.r.randrange(0, 50)
+        return f"{a} plus {b} is {a + b} ."
+
+    def facts(self, n: int) -> dict[tuple[str, str], int]:
+        keys = {(self.r.choice(NAMES), self.r.choice(THINGS)) for _ in range(n)}
+        return {k: self.r.randrange(10, 100) for k in sorted(keys)}
+
+    @staticmethod
+    def fact(key: tuple[str, str], value: int) -> str:
+        return f"fact : the {key[1]} of {key[0]} is {value} ."
+
+    @staticmethod
+    def question(key: tuple[str, str], value: int) -> str:
+        return f"question : what is the {key[1]} of {key[0]} ? answer : {value} ."
+
+    def filler(self) -> str:
+        return self.r.choice([self.sentence, self.sentence, self.counting, self.cycle,
+                              self.copy, self.sum])()
+
+    def paragraph(self, n_sentences: int, n_facts: int = 0) -> str:
+        """Sentences with facts stated early and asked for later (look-back structure)."""
+        facts = list(self.facts(n_facts).items()) if n_facts else []
+        out = [self.fact(k, v) for k, v in facts]
+        out += [self.filler() for _ in range(n_sentences)]
+        self.r.shuffle(facts)
+        out += [self.question(k, v) for k, v in facts]
+        return " ".join(out)
+
+    def code(self, n_funcs: int) -> str:
+        ks = [self.r.randrange(1, 60) for _ in range(n_funcs)]
+        lines = []
+        for i, k in enumerate(ks):
+            op = self.r.choice(["+", "-", "*"])
+            lines += [f"def f{i}(x):", f"    return x {op} {k}", ""]
+        for _ in range(n_funcs):
+            i, x = self.r.randrange(n_funcs), self.r.randrange(0, 20)
+            lines.append(f"print(f{i}({x}))")
+        return "\n".join(lines) + "\n"
+
+    def chat(self, n_turns: int) -> list[dict]:
+        facts = list(self.facts(n_turns).items())
+        msgs = [{"role": "system", "content": "you are a helpful assistant ."}] \
+            if self.r.random() < 0.5 else []
+        for key, value in facts:
+            msgs.append({"role": "user", "content": f"remember : the {key[1]} of {key[0]} is {value} ."})
+            msgs.append({"role": "assistant", "content": f"ok , the {key[1]} of {key[0]} is {value} ."})
+        for _ in range(n_turns):
+            kind = self.r.random()
+            if kind < 0.4 and facts:
+                key, value = self.r.choice(facts)
+                q, a = f"what is the {key[1]} of {key[0]} ?", f"the {key[1]} of {key[0]} is {value} ."
+            elif kind < 0.7:
+                a0, n = self.r.randrange(0, 150), self.r.randrange(4, 12)
+                q = f"count from {a0} to {a0 + n - 1} ."
+                a = " ".join(str(a0 + i) for i in range(n)) + " ."
+            else:
+                q, a = "tell me a story .", " ".join(self.sentence() for _ in range(3))
+            msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        return msgs
+
+    def sum_cot(self, n_terms: int) -> tuple[str, str]:
+        nums = [self.r.randrange(1, 40) for _ in range(n_terms)]
+        problem = "add the numbers " + " , ".join(map(str, nums)) + " ."
+        steps, total = ["let me think step by step . start with 0 ."], 0
+        for x in nums:
+            steps.append(f"{total} plus {x} is {total + x} .")
+            total += x
+        steps.append(f"wait , let me check . the numbers were " + " , ".join(map(str, nums)) + " .")
+        steps.append(f"so the total is {total} . the answer is {total} .")
+        return problem, " ".join(steps)
+
+    def lookup_cot(self, n_facts: int) -> tuple[str, str]:
+        facts = list(self.facts(n_facts).items())
+        key, value = self.r.choice(facts)
+        prompt = " ".join(self.fact(k, v) for k, v in facts) + \
+            f" question : what is the {key[1]} of {key[0]} ?"
+        steps = [f"i need the {key[1]} of {key[0]} . let me go through the facts ."]
+        for k, v in facts:
+            if k == key:
+                steps.append(f"the {k[1]} of {k[0]} is {v} . this is the one .")
+                break
+            steps.append(f"the {k[1]} of {k[0]} is {v} . not this one .")
+        steps.append(f"so the answer is {value} .")
+        return prompt, " ".join(steps)
+
+
+# --------------------------------------------------------------------------- stage data
+
+def base_records(rng: random.Random, n: int) -> list[dict]:
+    """Stage 1: short texts (~100-200 tokens)."""
+    lang = Lang(rng)
+    return [{"text": lang.paragraph(rng.randrange(6, 12), rng.randrange(0, 4))} for _ in range(n)]
+
+
+def long_records(rng: random.Random, n: int) -> list[dict]:
+    """Stage 2: ~1-2k-token documents in upstream's `source` kinds, plus plain chats."""
+    lang, out = Lang(rng), []
+    for i in range(n):
+        kind = ("book", "code", "arxiv", "tulu-v2", "messages")[i % 5]
+        if kind == "book":
+            text = "\n\n".join(f"chapter {c} .\n" + lang.paragraph(rng.randrange(20, 30), 3)
+                               for c in range(1, 5))
+            out.append({"source": "book", "text": text})
+        elif kind == "code":
+            out.append({"source": "code", "text": lang.code(rng.randrange(60, 90))})
+        elif kind == "arxiv":
+            facts = list(lang.facts(6).items())
+            article = " ".join(lang.fact(k, v) for k, v in facts) + " " + lang.paragraph(100)
+            abstract = "we study the facts . " + " ".join(lang.fact(k, v) for k, v in facts[:3])
+            out.append({"source": "arxiv", "article": article, "abstract": abstract})
+        elif kind == "tulu-v2":
+            out.append({"source": "tulu-v2", "conversation": lang.chat(rng.randrange(25, 40))})
+        else:
+            out.append({"messages": lang.chat(rng.randrange(25, 40))})
+    return out
+
+
+def longcot_records(rng: random.Random, n: int) -> list[dict]:
+    """Stage 3: long chain-of-thought in QwQ-LongCoT (`problem`/`qwq`) and prompt/response form."""
+    lang, out = Lang(rng), []
+    for i in range(n):
+        if i % 2 == 0:
+            problem, qwq = lang.sum_cot(rng.randrange(60, 120))
+            out.append({"problem": problem, "qwq": qwq})
+        else:
+            prompt, response = lang.lookup_cot(rng.randrange(30, 60))
+            out.append({"prompt": prompt, "response": response})
+    return out
+
+
+STAGE_DATA = {"base": (base_records, 1500), "long": (long_records, 40),
+              "longcot": (longcot_records, 40)}
+
+
+def render_chat(messages: list[dict], generation_prompt: bool = False) -> str:
+    """CHAT_TEMPLATE in Python, for the pre-training corpus (no tokenizer exists yet)."""
+    s = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return s + ("<|im_start|>assistant\n" if generation_prompt else "")
+
+
+def pretrain_corpus(rng: random.Random, n_docs: int) -> list[str]:
+    """Documents of every kind the stages use, as the target sees them (chats rendered)."""
+    lang, docs = Lang(rng), []
+    for i in range(n_docs):
+        k = i % 10
+        if k < 5:
+            docs.append(lang.paragraph(rng.randrange(6, 14), rng.randrange(0, 5)))
+        elif k == 5:
+            docs.append(lang.code(rng.randrange(5, 20)))
+        elif k in (6, 7):
+            docs.append(render_chat(lang.chat(rng.randrange(2, 6))))
+        elif k == 8:
+            p, a = lang.sum_cot(rng.randrange(5, 25))
+            docs.append(render_chat([{"role": "user", "content": p},
+                                     {"role": "assistant", "content": a}]))
+        else:
+            p, a = lang.lookup_cot(rng.randrange(4, 15))
+            docs.append(render_chat([{"role": "user", "content": p},
+                                     {"role": "assistant", "content": a}]))
+    return docs
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+def train_tokenizer(corpus: list[str], out_dir: Path):
+    """Byte-level BPE over the corpus, saved as a PreTrainedTokenizerFast folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  min_frequency=2, show_progress=False)
+    tok.train_from_iterator(corpus, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
+        additional_special_tokens=list(SPECIAL_TOKENS[1:]), chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False, padding_side="right", model_max_length=CONTEXT_LIMIT)
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+# --------------------------------------------------------------------------- target
+
+def make_config(family: str, vocab_size: int, eos_id: int):
+    common = dict(vocab_size=vocab_size, max_position_embeddings=CONTEXT_LIMIT,
+                  tie_word_embeddings=False, bos_token_id=eos_id, eos_token_id=eos_id,
+                  pad_token_id=eos_id, rms_norm_eps=1e-6, **MODEL_SIZES)
+    if family == "qwen2":
+        from transformers import Qwen2Config
+        return Qwen2Config(rope_theta=1_000_000.0, use_sliding_window=False, **common)
+    if family == "llama":
+        from transformers import LlamaConfig
+        return LlamaConfig(rope_theta=500_000.0, **common)
+    raise ValueError(f"unknown tiny family {family!r}; choose one of {', '.join(FAMILIES)}")
+
+
+def token_stream(tokenizer, docs: list[str]):
+    """Documents tokenized and joined with EOS: (N,) LongTensor."""
+    import torch
+    ids: list[int] = []
+    for enc in tokenizer(docs, add_special_tokens=False)["input_ids"]:
+        ids += enc + [tokenizer.eos_token_id]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def pretrain_target(family: str, tokenizer, docs: list[str], log=None):
+    """A tiny causal LM trained briefly and deterministically on the synthetic corpus."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    p = PRETRAIN
+    stream = token_stream(tokenizer, docs)  # (N,)
+    n_win = (len(stream) - 1) // p["seq"]
+    windows = stream[: n_win * p["seq"]].view(n_win, p["seq"])  # (W, T)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: the same float sums on every run
+    try:
+        torch.manual_seed(p["seed"])
+        config = make_config(family, len(tokenizer), tokenizer.eos_token_id)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=p["lr"], betas=(0.9, 0.95),
+                                weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / p["warmup"])
+                                                  * max(0.05, 1 - s / p["steps"]))
+        gen = torch.Generator().manual_seed(p["seed"])
+        for step in range(p["steps"]):
+            batch = windows[torch.randint(0, n_win, (p["batch"],), generator=gen)]  # (B, T)
+            loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            if log and (step % 50 == 0 or step == p["steps"] - 1):
+                log(f"step {step} loss {loss.item():.3f}")
+    finally:
+        torch.set_num_threads(threads)
+    model.eval()
+    return model
+
+
+def eval_loss(model, tokenizer, docs: list[str], seq: int = 512) -> float:
+    """Mean next-token loss (nats) over documents, in windows of `seq` tokens."""
+    import torch
+    stream = token_stream(tokenizer, docs)
+    n = (len(stream) - 1) // seq
+    windows = stream[: n * seq].view(n, seq)
+    with torch.no_grad():
+        losses = [model(input_ids=w[None], labels=w[None]).loss.item() for w in windows]
+    return sum(losses) / len(losses)

@@ -1,0 +1,3 @@
+from longspec_cli.app import main
+
+main()

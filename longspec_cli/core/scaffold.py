@@ -1,0 +1,248 @@
+"""`longspec init`: render the templates into a project (manifest + conf/ tree).
+
+Rendering is pure and happens in memory (`plan_project`); `write_project` then writes every
+file atomically, refusing to overwrite anything unless forced. The wizard and the flag path
+build the same `InitAnswers`, so the same answers give the same files.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from longspec_cli.core import presets as P
+from longspec_cli.core.atomic import atomic_write_text
+from longspec_cli.errors import RefusedError, UsageError
+
+_PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
+_PLAIN = re.compile(r"^[A-Za-z0-9_./@+-][A-Za-z0-9_./@+=-]*$")
+MISSING = "???"  # Hydra's "must be set" marker: `validate` reports it
+
+
+@dataclass
+class InitAnswers:
+    project_dir: Path
+    preset: str | None = None
+    target: str | None = None
+    variant: str = "sinkpi"
+    data: dict[str, str] = field(default_factory=dict)
+    stages: tuple[str, ...] = P.STAGE_ORDER
+    output_root: str | None = None
+    gpus: int | None = None
+    nodes: int = 1
+    hostfile: str | None = None
+    precision: str | None = None
+    name: str | None = None
+
+
+def yaml_scalar(value: Any) -> str:
+    """One value as YAML text: null/true/numbers plain, strings plain when safe, else quoted."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return _float(value)
+    if isinstance(value, int):
+        return str(value)
+    text = str(value)
+    if text == MISSING:
+        return "'???'"
+    reserved = text.lower() in {"null", "true", "false", "yes", "no", "on", "off", "~", ""}
+    if _PLAIN.match(text) and not reserved and not _looks_numeric(text):
+        return text
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _float(value: float) -> str:
+    """Floats that YAML 1.1 (OmegaConf) and 1.2 (ruamel) both read as floats: 5.0e-06, not 5e-06."""
+    text = repr(value)
+    if "e" in text:
+        mantissa, exp = text.split("e")
+        if "." not in mantissa:
+            mantissa += ".0"
+        text = f"{mantissa}e{exp}"
+    return text
+
+
+def _looks_numeric(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def render(template: str, values: dict[str, Any]) -> str:
+    """Fill `{{name}}` placeholders; every placeholder must have a value."""
+
+    def sub(m: re.Match) -> str:
+        key = m.group(1)
+        if key not in values:
+            raise KeyError(f"template placeholder {{{{{key}}}}} has no value")
+        value = values[key]
+        if isinstance(value, _Raw) or key in _TEXT_KEYS:
+            return str(value)
+        return yaml_scalar(value)
+
+    return _PLACEHOLDER.sub(sub, template)
+
+
+class _Raw(str):
+    """Text inserted as-is (already YAML)."""
+
+
+# Placeholders inside comments: inserted as plain text, never quoted.
+_TEXT_KEYS = {"title", "data_hint", "run_command", "run_command_cli", "project_dir", "world_size"}
+
+
+def _resolve_answers(a: InitAnswers) -> tuple[P.Preset | None, str, str, int]:
+    preset = P.get_preset(a.preset) if a.preset else None
+    if a.variant not in P.VARIANTS:
+        raise UsageError(f"unknown variant {a.variant!r}", hint="variants: " + ", ".join(P.VARIANTS))
+    unknown = [s for s in a.stages if s not in P.STAGE_ORDER]
+    if unknown or not a.stages:
+        raise UsageError(f"unknown stage(s) {', '.join(unknown) or '(none)'}",
+                         hint="stages: " + ", ".join(P.STAGE_ORDER))
+    bad_data = [s for s in a.data if s not in a.stages]
+    if bad_data:
+        raise UsageError(f"--data names stage(s) not in this project: {', '.join(bad_data)}",
+                         hint="use STAGE=PATH with STAGE one of " + ", ".join(a.stages))
+    target = a.target or (preset.target if preset else None)
+    if preset is not None and preset.local and not a.target:
+        target = str(local_target_dir(a.project_dir.resolve()))
+    if not target:
+        raise UsageError("no target model", hint="pass --preset NAME or --target PATH")
+    precision = a.precision or (preset.precision if preset else "bf16")
+    if precision not in P.PRECISIONS:
+        raise UsageError(f"unknown precision {precision!r}", hint="one of " + ", ".join(P.PRECISIONS))
+    gpus = a.gpus if a.gpus is not None else (preset.gpus if preset else 8)
+    if gpus < 1 or a.nodes < 1:
+        raise UsageError("--gpus and --nodes must be at least 1")
+    return preset, target, precision, gpus
+
+
+def plan_project(a: InitAnswers) -> dict[Path, str]:
+    """Every file `init` would write, path -> text. Pure: touches nothing."""
+    preset, target, precision, gpus = _resolve_answers(a)
+    root = a.project_dir.resolve()
+    conf = root / "conf"
+    out_root = Path(a.output_root).expanduser() if a.output_root else root / "runs"
+    if not out_root.is_absolute():
+        out_root = (root / out_root).resolve()
+    tdir = P.templates_dir()
+    context = preset.context if preset else 32768
+    max_offset = preset.max_offset if preset else P.default_max_offset(context)
+    offload = "none" if precision == "fp32" and preset is not None and preset.local else "cpu"
+    world = gpus * a.nodes
+
+    files: dict[Path, str] = {}
+    stage_tpl = (tdir / "exp" / "stage.yaml").read_text()
+    manifest_rows = []
+    previous: str | None = None
+    used_ds: set[str] = set()
+    for stage in a.stages:
+        sd = P.stage_defaults(stage, preset)
+        out_dir = out_root / stage
+        data = a.data.get(stage)
+        if data is None and preset is not None and preset.local:
+            data = str(local_data_file(root, stage))
+        values = {
+            **sd,
+            **P.variant_values(a.variant),
+            "stage": stage,
+            "gpus": gpus,
+            "world_size": str(world),
+            "run_command": shlex.join([
+                "deepspeed", f"--num_gpus={gpus}", "--module", "longspec.train",
+                "--config-dir", str(conf), f"+exp={stage}", f"output_dir={out_dir}",
+            ]),
+            "run_command_cli": shlex.join(["longspec", "run", str(root), stage]),
+            "project_dir": str(root),
+            "target": target,
+            "draft_model_name_or_path": None,
+            "train_file": data or MISSING,
+            "output_dir": str(out_dir),
+            "precision": precision,
+            "max_offset": max_offset,
+            "global_batch_size": sd["per_gpu_train_batch_size"] * sd["gradient_accumulation_steps"] * world,
+        }
+        files[conf / "exp" / f"{stage}.yaml"] = render(stage_tpl, values)
+        used_ds.add(sd["deepspeed"])
+        rel_out = _rel(out_dir, root)
+        manifest_rows.append(
+            f"  - name: {stage}\n"
+            f"    config: conf/exp/{stage}.yaml\n"
+            f"    output_dir: {yaml_scalar(rel_out)}\n"
+            f"    draft_from: {yaml_scalar(previous)}"
+        )
+        previous = stage
+    for ds in sorted(used_ds):
+        text = (tdir / "deepspeed" / f"{ds}.yaml").read_text()
+        files[conf / "deepspeed" / f"{ds}.yaml"] = render(
+            text, {"offload_device": offload, "pin_memory": offload == "cpu"}
+        )
+    files[root / "longspec.yaml"] = render(
+        (tdir / "manifest.yaml").read_text(),
+        {
+            "project_dir": shlex.quote(str(root)),
+            "name": a.name or root.name,
+            "preset": a.preset,
+            "variant": a.variant,
+            "target": target,
+            "gpus": gpus,
+            "nodes": a.nodes,
+            "hostfile": a.hostfile,
+            "stages": _Raw("\n".join(manifest_rows)),
+        },
+    )
+    return files
+
+
+def _rel(path: Path, root: Path) -> str:
+    try:
+        return str(path.relative_to(root))
+    except ValueError:
+        return str(path)
+
+
+def write_project(files: dict[Path, str], *, force: bool = False) -> list[Path]:
+    """Write the planned files atomically. Refuses (writing nothing) if any exists, unless forced."""
+    existing = [p for p in files if p.exists()]
+    if existing and not force:
+        shown = ", ".join(str(p) for p in existing[:3]) + (" ..." if len(existing) > 3 else "")
+        raise RefusedError(f"{len(existing)} file(s) already exist: {shown}",
+                           hint="pass --force to overwrite them, or choose another folder")
+    for path, text in files.items():
+        atomic_write_text(path, text)
+    return list(files)
+
+
+# The tiny preset's assets, built into the project by `python -m longspec.tiny build`.
+def local_target_dir(root: Path) -> Path:
+    return root / "assets" / "target"
+
+
+def local_data_file(root: Path, stage: str) -> Path:
+    return root / "assets" / "data" / f"{stage}.jsonl"
+
+
+def build_local_assets(root: Path) -> dict[str, Any]:
+    """Build the tiny target and data into ROOT/assets in a subprocess (the CLI never imports torch)."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
+        raise RefusedError("the tiny preset builds a model locally and needs the trainer's packages",
+                           hint="pip install 'longspec[train]'")
+    cmd = [sys.executable, "-m", "longspec.tiny", "build", str(root / "assets"), "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
+        raise RefusedError(f"building the tiny preset failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
