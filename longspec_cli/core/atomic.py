@@ -59,19 +59,27 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def lock_path(path: str | os.PathLike) -> Path:
+    """Where the lock for `path` lives: a cache folder, so no `.lock` file clutters the config tree."""
+    base = Path(os.environ.get("LONGSPEC_CACHE_DIR") or Path.home() / ".cache" / "longspec") / "locks"
+    base.mkdir(parents=True, exist_ok=True)
+    key = hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:24]
+    return base / f"{Path(path).name}.{key}.lock"
+
+
 @contextlib.contextmanager
 def locked(path: str | os.PathLike, timeout: float = 30.0) -> Iterator[None]:
-    """Hold `<path>.lock` around a read-modify-write of `path`."""
+    """Hold a lock on `path` (by its resolved name) around a read-modify-write of it."""
     from filelock import FileLock, Timeout
 
     from longspec_cli.errors import RefusedError
 
-    lock = FileLock(str(path) + ".lock")
+    lock = FileLock(str(lock_path(path)))
     try:
         with lock.acquire(timeout=timeout):
             yield
     except Timeout:
         raise RefusedError(
             f"{path} is locked by another longspec process",
-            hint=f"wait for it to finish, or remove {path}.lock if no longspec process is running",
+            hint=f"wait for it to finish, or remove {lock_path(path)} if no longspec process is running",
         ) from None

@@ -1,0 +1,152 @@
+"""Start-up cost of the quick verbs: median wall time of `longspec --help`, `validate`, `status` and
+`next-stage --dry-run` on a three-stage project, each run as a fresh subprocess.
+
+    .venv/bin/python bench/bench_cli.py [--runs 10]
+
+Goal: <= 0.25 s each. The project is written by hand (docs/DESIGN.md layout) in a temp folder with
+a finished `base` stage, so next-stage has a draft to verify and a line to change. With torch
+installed the draft is a real torch.save file and the first next-stage pays the deep check
+(weights_only load in a subprocess), printed separately; later runs reuse its cached result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from longspec_cli.core.runfolder import config_fingerprint  # noqa: E402  (pure, cheap)
+
+STAGE = """\
+# python -m longspec.train --config-dir {root}/conf +exp={name}
+# @package _global_
+defaults:
+  - /deepspeed@ds_cfg: zero1_offload_cosine
+  - _self_
+
+stage: {name}
+model_name_or_path: {root}/assets/target   # the frozen target
+draft_model_name_or_path: null
+train_file: {root}/data/{name}.jsonl
+output_dir: {root}/runs/{name}
+precision: bf16
+data:
+  collator: short_text
+  max_seq_length: 1024
+learning_rate: 5.0e-4
+"""
+
+MANIFEST = """\
+name: bench
+preset: null
+variant: sinkpi
+target: assets/target
+launch: {gpus: 1, nodes: 1, hostfile: null}
+stages:
+  - {name: base,    config: conf/exp/base.yaml,    output_dir: runs/base,    draft_from: null}
+  - {name: long,    config: conf/exp/long.yaml,    output_dir: runs/long,    draft_from: base}
+  - {name: longcot, config: conf/exp/longcot.yaml, output_dir: runs/longcot, draft_from: long}
+"""
+
+
+def build_project(root: Path) -> None:
+    (root / "conf" / "exp").mkdir(parents=True)
+    (root / "conf" / "deepspeed").mkdir()
+    (root / "conf" / "deepspeed" / "zero1_offload_cosine.yaml").write_text("zero_optimization:\n  stage: 1\n")
+    (root / "assets" / "target").mkdir(parents=True)
+    (root / "data").mkdir()
+    (root / "longspec.yaml").write_text(MANIFEST)
+    for name in ("base", "long", "longcot"):
+        (root / "conf" / "exp" / f"{name}.yaml").write_text(STAGE.format(root=root, name=name))
+        (root / "data" / f"{name}.jsonl").write_text('{"text": "hello"}\n')
+    out = root / "runs" / "base"
+    out.mkdir(parents=True)
+    weights = out / "draft_model_weights.pth"
+    if importlib.util.find_spec("torch") is not None:
+        subprocess.run([sys.executable, "-c", "import torch, sys; torch.save({'w': torch.zeros(4, 4)}, sys.argv[1])",
+                        str(weights)], check=True)
+    else:
+        weights.write_bytes(b"fake draft")
+    with open(out / "metrics.jsonl", "w") as f:
+        f.write(json.dumps({"event": "start", "step": 0, "time": 0, "total_steps": 2000}) + "\n")
+        for s in range(1, 2001):  # a realistic log: one record per step
+            f.write(json.dumps({"step": s, "total_steps": 2000, "loss": 3.0, "llm_loss": 2.0, "lr": 1e-4,
+                                "tokens_per_s": 1e4, "elapsed_s": s, "time": s}) + "\n")
+        f.write(json.dumps({"event": "end", "step": 2000, "time": 2000}) + "\n")
+    sha = hashlib.sha256(weights.read_bytes()).hexdigest()
+    (out / "stage_complete.json").write_text(json.dumps({
+        "stage": "base", "steps": 2000, "final_loss": 3.0, "sha256": sha, "target": str(root / "assets/target"),
+        "config_sha256": config_fingerprint(root / "conf/exp/base.yaml", []), "draft_sha256": None,
+        "finished_at": "2024-01-01T00:00:00Z", "weights": "draft_model_weights.pth"}))
+
+
+def longspec_cmd() -> list[str]:
+    script = Path(sys.executable).with_name("longspec")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "longspec_cli"]
+
+
+def time_once(cmd: list[str], env: dict) -> tuple[float, int, float]:
+    """(wall s, exit code, CPU s = user + sys of the child; CPU time barely moves when the machine is busy)."""
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    wall = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, proc.returncode, (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=10)
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="longspec-bench-"))
+    try:
+        proj = tmp / "proj"
+        build_project(proj)
+        env = {**os.environ, "LONGSPEC_CACHE_DIR": str(tmp / "cache")}
+        base = longspec_cmd()
+        cases = [("longspec --help", ["--help"])]
+        if (ROOT / "longspec_cli" / "commands" / "validate.py").exists():
+            cases.append(("longspec validate DIR", ["validate", str(proj)]))
+        cases += [("longspec status DIR", ["status", str(proj)]),
+                  ("longspec next-stage DIR --dry-run", ["next-stage", str(proj), "--dry-run"]),
+                  ("longspec next-stage DIR --dry-run --no-deep", ["next-stage", str(proj), "--dry-run", "--no-deep"])]
+        cold, rc, cold_cpu = time_once(base + ["next-stage", str(proj), "--dry-run"], env)  # fills the cache
+        print(f"(first next-stage --dry-run, deep check not cached: wall {cold:.3f} s, cpu {cold_cpu:.3f} s, "
+              f"exit {rc})")
+        print(f"{'command':45s} {'median s':>9s} {'min s':>7s} {'max s':>7s} {'cpu s':>6s}  exit  goal<=0.25s")
+        worst = 0.0
+        for label, argv in cases:
+            times, cpus, codes = [], [], set()
+            time_once(base + argv, env)  # warm the OS file cache
+            for _ in range(args.runs):
+                t, code, cpu = time_once(base + argv, env)
+                times.append(t)
+                cpus.append(cpu)
+                codes.add(code)
+            med = statistics.median(times)
+            worst = max(worst, med)
+            print(f"{label:45s} {med:9.3f} {min(times):7.3f} {max(times):7.3f} {statistics.median(cpus):6.3f}"
+                  f"  {','.join(map(str, sorted(codes))):4s}"
+                  f"  {'ok' if med <= 0.25 else 'over'}")
+        print(f"cpu count {os.cpu_count()}, load average {os.getloadavg()[0]:.2f}")
+        return 0
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

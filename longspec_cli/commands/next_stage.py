@@ -1,0 +1,94 @@
+"""`longspec next-stage DIR`: verify a finished stage's draft and point the next stage's config at it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from longspec_cli.errors import UsageError, run_cli
+
+EPILOG = """Examples:
+
+  longspec next-stage demo --dry-run
+
+  longspec next-stage demo --to longcot
+
+  longspec next-stage --config conf/exp/long.yaml --draft runs/base/draft_model_weights.pth --json
+
+Only the `draft_model_name_or_path:` line of the stage YAML changes (added after model_name_or_path when absent); comments, quoting and line endings stay as they are.
+
+Exit codes: 0 done (or nothing to do), 1 refused (stage not complete, draft does not verify), 2 usage, 3 unreadable YAML or checkpoint."""
+
+
+def next_stage(
+    project_dir: Optional[Path] = typer.Argument(None, help="Project folder (or its longspec.yaml).",
+                                                 show_default=False),
+    to: Optional[str] = typer.Option(None, "--to", help="Stage to point at its upstream's draft "
+                                     "(default: the first stage whose finished upstream is not chained yet)."),
+    config: Optional[Path] = typer.Option(None, "--config", help="Without a project: the stage YAML to edit."),
+    draft: Optional[Path] = typer.Option(None, "--draft", help="Without a project: the draft (.pth, "
+                                         ".safetensors or folder) to point it at."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the diff; change nothing."),
+    deep: Optional[bool] = typer.Option(None, "--deep/--no-deep", help="Load the draft (weights_only=True) in "
+                                        "a subprocess and check keys/shapes against the target "
+                                        "(default: on when torch is installed).", show_default=False),
+    as_json: bool = typer.Option(False, "--json", help="Print {config, key, old, new, changed, draft_sha256}."),
+) -> None:
+    """Verify the previous stage's final draft and write its absolute path into the next stage's config."""
+
+    def body() -> None:
+        from longspec_cli.core import chain
+
+        if config is not None or draft is not None:
+            if project_dir is not None or to is not None:
+                raise UsageError("give either a project (DIR [--to STAGE]) or --config FILE --draft PATH, not both")
+            if config is None or draft is None:
+                raise UsageError("explicit mode needs both --config FILE and --draft PATH")
+            result = chain.chain_explicit(config, draft, dry_run=dry_run, deep=deep)
+        else:
+            if project_dir is None:
+                raise UsageError("missing project folder",
+                                 hint="longspec next-stage DIR, or longspec next-stage --config FILE --draft PATH")
+            from longspec_cli.core.manifest import load_manifest
+
+            result = chain.chain_project(load_manifest(project_dir), to, dry_run=dry_run, deep=deep)
+        _report(result, dry_run=dry_run, as_json=as_json)
+
+    run_cli(body)
+
+
+def _report(result, *, dry_run: bool, as_json: bool) -> None:
+    import json
+
+    if result is None:
+        if as_json:
+            typer.echo(json.dumps({"changed": False, "written": False, "dry_run": dry_run,
+                                   "message": "every finished stage is already chained"}))
+        else:
+            typer.echo("nothing to do: every stage with a finished upstream already points at its draft")
+        return
+    if as_json:
+        typer.echo(json.dumps({**result.to_json(), "dry_run": dry_run}, indent=2, ensure_ascii=False))
+        return
+    label = f"{result.stage} <- {result.from_stage}: " if result.stage else ""
+    sha = f" (sha256 {result.draft_sha256[:12]}...)" if result.draft_sha256 else ""
+    deep = result.deep_check
+    checked = ""
+    if deep:
+        checked = (f"; loads with weights_only=True ({deep.get('tensors')} tensors"
+                   + (", keys/shapes fit the target" if deep.get("target_checked") else "") + ")")
+    if not result.changed:
+        typer.echo(f"{label}{result.key} already is {result.new}{sha}; nothing changed")
+        return
+    if dry_run:
+        typer.echo(result.diff)
+        typer.echo(f"dry run: {result.config} not changed{checked}")
+        return
+    typer.echo(f"{label}{result.config}: {result.key} = {result.new}{sha}{checked}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("next-stage", help="Verify a finished stage's draft and point the next stage's config at it.",
+                epilog=EPILOG)(next_stage)

@@ -1,0 +1,70 @@
+"""`longspec status DIR`: one row per stage (state, progress, loss, chaining) and what `run` would do next."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from longspec_cli.errors import run_cli
+
+EPILOG = """Examples:
+
+  longspec status demo
+
+  longspec status demo/longspec.yaml --json
+
+States: pending, running, done, stale (config or input draft changed since the run), failed.
+
+Exit codes: 0 ok, 2 no such project, 3 unreadable longspec.yaml."""
+
+STATE_STYLE = {"done": "green", "running": "cyan", "pending": "white", "stale": "yellow", "failed": "red"}
+
+
+def status(
+    project_dir: Path = typer.Argument(..., help="Project folder (or its longspec.yaml).", show_default=False),
+    as_json: bool = typer.Option(False, "--json", help='Print {"stages": [...]} as JSON.'),
+) -> None:
+    """Show where each stage of a project stands and what `longspec run` would do next."""
+
+    def body() -> None:
+        from longspec_cli.core.manifest import load_manifest
+        from longspec_cli.core.status import project_status, run_plan
+
+        manifest = load_manifest(project_dir)
+        stages = project_status(manifest)
+        if as_json:
+            import json
+
+            typer.echo(json.dumps({"project": str(manifest.root), "stages": [s.to_json() for s in stages],
+                                   "next": run_plan(stages)}, indent=2))
+            return
+        _render(manifest, stages, run_plan(stages))
+
+    run_cli(body)
+
+
+def _render(manifest, stages, plan: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=Text(f"{manifest.name}  ({manifest.root})"), title_justify="left")
+    for col in ("stage", "state", "step", "last loss", "draft from", "next action"):
+        table.add_column(col, justify="right" if col in ("step", "last loss") else "left")
+    for st in stages:
+        step = "-" if st.steps is None else f"{st.steps}/{st.total_steps if st.total_steps is not None else '?'}"
+        loss = "-" if st.last_loss is None else f"{st.last_loss:.4f}"
+        table.add_row(Text(st.name), Text(st.state, style=f"bold {STATE_STYLE.get(st.state, '')}"), step, loss,
+                      Text(st.draft_from or "(fresh)"), Text(st.next_action))
+    console = Console(soft_wrap=True)
+    console.print(table)
+    for st in stages:
+        for reason in st.reasons:
+            console.print(Text(f"  {st.name}: {reason}", style="dim"))
+    console.print(Text("next: ", style="bold") + Text(plan))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("status", help="Show each stage's state (pending/running/done/stale/failed) and the next step.",
+                epilog=EPILOG)(status)

@@ -1,0 +1,488 @@
+"""next-stage: verify a stage's final draft, then point the next stage's config at it.
+
+The edit is a surgical text edit of ONE line: `draft_model_name_or_path: <absolute path>`.
+Positions come from ruamel's composer (start/end marks of the root key and of its value), so
+comments, quoting, indentation, line endings and document markers elsewhere stay byte for byte.
+The result is parsed again and must read the new path with every other key unchanged; anything
+the edit cannot handle for sure (a multi-line, flow, block or anchored value) is refused.
+"""
+
+from __future__ import annotations
+
+import bisect
+import difflib
+import importlib.util
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from longspec_cli.core import runfolder, yamlio
+from longspec_cli.core.manifest import Manifest, StageSpec
+from longspec_cli.errors import InputError, RefusedError, UsageError
+
+DRAFT_KEY = "draft_model_name_or_path"
+AFTER_KEY = "model_name_or_path"  # a new DRAFT_KEY line goes right after this key's value
+BOM = "\ufeff"
+_PLAIN_OK = re.compile(r"[^\s'\"#:,\[\]{}&*!|>%@`?]+")  # chars that never need quotes in a plain path
+_COMMENT_OR_BLANK = re.compile(r"[ \t]*(#.*)?\r?")
+
+
+# ---------------------------------------------------------------------------------------------
+# the one-line edit (pure: text in, text out)
+
+
+@dataclass
+class Edit:
+    old_text: str
+    new_text: str
+    old_value: Any  # the key's previous value (plain), None when absent or null
+    present: bool  # the key existed before
+    line: int  # 1-based line of the changed or added line
+
+    @property
+    def changed(self) -> bool:
+        return self.new_text != self.old_text
+
+    def diff(self, label: str) -> str:
+        out = difflib.unified_diff(self.old_text.split("\n"), self.new_text.split("\n"),
+                                   fromfile=f"{label} (before)", tofile=f"{label} (after)", lineterm="")
+        return "\n".join(line.rstrip("\r") for line in out)
+
+
+def set_root_scalar(text: str, key: str, value: str, path: Path | None = None, after: str = AFTER_KEY) -> Edit:
+    """Set the root-level `key` to the string `value`, changing or adding exactly one line."""
+    data = yamlio.parse(text, path)
+    if data is None:
+        raise yamlio.YamlError(path, "empty file: expected a mapping of config keys")
+    if not isinstance(data, dict):
+        raise yamlio.YamlError(path, "the top level is not a mapping; expected `key: value` lines", line=1)
+    root = _compose_root(text)
+    if root.flow_style:
+        raise RefusedError(f"{_where(path)}: the whole file is one {{flow mapping}}; refusing to edit it",
+                           hint=f"write it as block `key: value` lines, or set {key} by hand")
+    pairs = root.value
+    idx = next((i for i, (k, _) in enumerate(pairs) if _is_key(k, key)), None)
+    old_value = yamlio.to_plain(data.get(key)) if key in data else None
+    if idx is not None:
+        new_text, line = _replace_value(text, pairs[idx], key, value, path)
+        candidates = [(new_text, line)]
+    else:
+        candidates = _insert_candidates(text, pairs, key, value, after)
+    last_err: str | None = None
+    for new_text, line in candidates:
+        last_err = _check_result(text, new_text, data, key, value, path)
+        if last_err is None:
+            return Edit(text, new_text, old_value, idx is not None, line)
+    raise RefusedError(f"{_where(path)}: could not set {key} without changing anything else ({last_err})",
+                       hint=f"set `{key}: {value}` by hand")
+
+
+def _compose_root(text: str):
+    from ruamel.yaml import YAML
+
+    return YAML(typ="rt").compose(io.StringIO(text))
+
+
+def _is_key(node, key: str) -> bool:
+    from ruamel.yaml.nodes import ScalarNode
+
+    return isinstance(node, ScalarNode) and node.value == key
+
+
+def _where(path: Path | None) -> str:
+    return str(path) if path is not None else "<text>"
+
+
+def _line_starts(text: str) -> list[int]:
+    return [0] + [m.end() for m in re.finditer("\n", text)]
+
+
+def _line_end(text: str, i: int) -> int:
+    """Index of the line break (\\r\\n or \\n) that ends the line holding index i, or len(text)."""
+    j = text.find("\n", i)
+    if j < 0:
+        return len(text)
+    return j - 1 if j > 0 and text[j - 1] == "\r" and j - 1 >= i else j
+
+
+def _replace_value(text: str, pair, key: str, value: str, path: Path | None) -> tuple[str, int]:
+    from ruamel.yaml.nodes import ScalarNode
+
+    knode, vnode = pair
+    starts = _line_starts(text)
+    key_line = bisect.bisect_right(starts, knode.start_mark.index)
+    where = f"{_where(path)}:{key_line}"
+    if not isinstance(vnode, ScalarNode):
+        kind = "flow" if vnode.flow_style else "block"
+        shape = "mapping" if vnode.id == "mapping" else "list"
+        raise RefusedError(f"{where}: {key} holds a {kind} {shape}, not a path; refusing to guess",
+                           hint=f"replace it by hand with `{key}: <path>`")
+    if getattr(vnode, "anchor", None) is not None:
+        raise RefusedError(f"{where}: {key} has an anchor (&) or is an alias (*); refusing to guess",
+                           hint="other keys may share that value; set it by hand")
+    if vnode.style in ("|", ">"):
+        raise RefusedError(f"{where}: {key} is a block scalar ({vnode.style}); refusing to guess",
+                           hint=f"write it on one line: `{key}: <path>`")
+    s, e = vnode.start_mark.index, vnode.end_mark.index
+    if s == e and vnode.value == "" and vnode.style is None:  # `key:` with nothing after it (null)
+        colon = text.find(":", knode.end_mark.index)
+        eol = _line_end(text, knode.end_mark.index)
+        if colon < 0 or colon >= eol or text[knode.end_mark.index:colon].strip():
+            raise RefusedError(f"{where}: cannot find the ':' after {key}", hint="set it by hand")
+        rest = text[colon + 1:eol]
+        if not re.fullmatch(r"[ \t]*(#.*)?", rest) or (rest.startswith("#")):
+            raise RefusedError(f"{where}: unexpected text after `{key}:`", hint="set it by hand")
+        return text[: colon + 1] + " " + render_scalar(value) + text[colon + 1:], key_line
+    span = text[s:e]
+    if "\n" in span or "\r" in span:
+        raise RefusedError(f"{where}: the value of {key} spans several lines; refusing to guess",
+                           hint=f"write it on one line: `{key}: <path>`")
+    style = vnode.style if vnode.style in ("'", '"') else None
+    return text[:s] + render_scalar(value, style) + text[e:], bisect.bisect_right(starts, s)
+
+
+def _insert_candidates(text: str, pairs, key: str, value: str, after: str) -> list[tuple[str, int]]:
+    """Texts with a new `key: value` line, best placement first (verified by the caller).
+
+    Placement: right after the value of `after` (model_name_or_path) when that key exists, else at
+    the end of the root mapping; "after the value" = after its last line that is not blank or a
+    comment. The fallback is right before the next root key (or the end of the mapping).
+    """
+    lines = text.split("\n")  # lines[i] keeps a trailing "\r" in CRLF files; "" after a final newline
+    starts = _line_starts(text)
+
+    def line_of(index: int) -> int:
+        return bisect.bisect_right(starts, index) - 1
+
+    col = pairs[0][0].start_mark.column if pairs else 0
+    doc_end = _doc_end_line(lines, line_of(pairs[-1][1].end_mark.index) if pairs else 0)
+    anchor_i = next((i for i, (k, _) in enumerate(pairs) if _is_key(k, after)), None)
+    if anchor_i is not None:
+        first = line_of(pairs[anchor_i][0].start_mark.index)
+        stop = line_of(pairs[anchor_i + 1][0].start_mark.index) if anchor_i + 1 < len(pairs) else doc_end
+    else:
+        first = line_of(pairs[-1][0].start_mark.index) if pairs else 0
+        stop = doc_end
+    last = stop - 1
+    while last > first and _COMMENT_OR_BLANK.fullmatch(lines[last]):
+        last -= 1
+    positions = [last + 1] if pairs else [stop]
+    if stop not in positions:
+        positions.append(stop)
+    crlf_file = "\r\n" in text
+    out = []
+    for at in positions:
+        # the new line takes the ending of the line above it (the file's dominant one at the very end)
+        above_crlf = lines[at - 1].endswith("\r") if 0 < at < len(lines) else crlf_file
+        new_line = " " * col + f"{key}: {render_scalar(value)}" + ("\r" if above_crlf else "")
+        if at >= len(lines):  # after a last line that has no line break
+            new_lines = lines[:-1] + [lines[-1] + ("\r" if crlf_file else ""), new_line.rstrip("\r")]
+        else:
+            new_lines = lines[:at] + [new_line] + lines[at:]
+        out.append(("\n".join(new_lines), at + 1))
+    return out
+
+
+def _doc_end_line(lines: list[str], from_line: int) -> int:
+    """Index of the line the root mapping ends before: a `...` marker, the empty piece after a final
+    newline, or len(lines) when the last line has no line break."""
+    for i in range(max(from_line, 0), len(lines)):
+        if re.match(r"\.\.\.(\s|#|$)", lines[i]):
+            return i
+    return len(lines) - 1 if lines[-1] == "" else len(lines)
+
+
+def render_scalar(value: str, style: str | None = None) -> str:
+    """YAML for a path: plain when that reads back as the same string, else quoted."""
+    if style == "'" and value.isprintable():
+        return "'" + value.replace("'", "''") + "'"
+    if style is None and value and _PLAIN_OK.fullmatch(value) and value[0] not in "-~=" and _reads_back(value):
+        return value
+    return json.dumps(value, ensure_ascii=False)  # a JSON string is a valid YAML double-quoted scalar
+
+
+def _reads_back(value: str) -> bool:
+    try:
+        data = yamlio.parse(f"k: {value}\n")
+    except yamlio.YamlError:
+        return False
+    got = data.get("k") if isinstance(data, dict) else None
+    return isinstance(got, str) and got == value
+
+
+def _check_result(old_text: str, new_text: str, old_data, key: str, value: str, path: Path | None) -> str | None:
+    """None when new_text differs from old_text by one line and reads the same except `key`."""
+    if new_text == old_text:  # the key already holds this value
+        return None if old_data.get(key) == value else f"{key} would not read back as the new path"
+    a, b = old_text.split("\n"), new_text.split("\n")
+    if not old_text.endswith("\n") and "\r\n" in old_text and len(b) == len(a) + 1:
+        a[-1] += "\r"  # a line appended after a last line without a break gives that line its CRLF
+    if len(a) == len(b):
+        if sum(x != y for x, y in zip(a, b)) != 1:
+            return "more than one line would change"
+    elif len(b) == len(a) + 1:
+        if not any(b[:i] + b[i + 1:] == a for i in range(len(b))):
+            return "the new line would disturb other lines"
+    else:
+        return "line count would change by more than one"
+    try:
+        new_data = yamlio.parse(new_text, path)
+    except yamlio.YamlError as e:
+        return f"result does not parse: {e.reason}"
+    if not isinstance(new_data, dict) or new_data.get(key) != value:
+        return f"{key} would not read back as the new path"
+
+    def rest(d):
+        return repr([(k, yamlio.to_plain(v)) for k, v in d.items() if k != key])
+
+    if rest(old_data) != rest(new_data):
+        return "another key would change"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# verifying a draft
+
+
+@dataclass
+class VerifiedDraft:
+    path: Path
+    sha256: str | None  # None for an HF draft folder
+    deep: dict | None = None  # the subprocess check's report, None when torch is not importable or skipped
+
+
+def verify_stage_draft(spec: StageSpec, target: Path | None, deep: bool | None = None) -> VerifiedDraft:
+    """The final draft of a finished stage, or RefusedError/InputError that says why it is not usable."""
+    rd = runfolder.RunDir(spec.output_dir)
+    complete = rd.stage_complete()
+    if complete is None:
+        if rd.stage_complete_error:
+            raise InputError(f"stage {spec.name}: {rd.stage_complete_error}",
+                             hint="the stage's completion record is damaged; re-run the stage")
+        raise RefusedError(f"stage {spec.name} is not complete: no {runfolder.STAGE_COMPLETE} in {spec.output_dir}",
+                           hint=f"finish it first (`longspec run`), then check with `longspec status`")
+    weights = rd.weights_for(complete)
+    if not weights.is_file():
+        raise RefusedError(f"stage {spec.name}: final draft {weights} is missing",
+                           hint="re-run the stage; its stage_complete.json names a file that is gone")
+    from longspec_cli.core.atomic import sha256_file
+
+    sha = sha256_file(weights)
+    if sha != complete.get("sha256"):
+        raise RefusedError(f"stage {spec.name}: {weights.name} does not match stage_complete.json "
+                           f"(sha256 {sha[:12]}... vs {str(complete.get('sha256'))[:12]}...)",
+                           hint="the file was truncated or replaced after the run; re-run the stage")
+    return VerifiedDraft(weights.absolute(), sha, run_deep_check(weights, target, sha) if deep is not False else None)
+
+
+def verify_explicit_draft(draft: Path, target: Path | None, deep: bool | None = None) -> VerifiedDraft:
+    if not draft.exists():
+        raise UsageError(f"{draft}: no such file or folder", hint="--draft takes a .pth, .safetensors or draft folder")
+    sha = None
+    if draft.is_file():
+        from longspec_cli.core.atomic import sha256_file
+
+        sha = sha256_file(draft)
+    return VerifiedDraft(Path(os.path.abspath(draft)), sha,
+                         run_deep_check(draft, target, sha) if deep is not False else None)
+
+
+def torch_available() -> bool:
+    return importlib.util.find_spec("torch") is not None
+
+
+def run_deep_check(draft: Path, target: Path | None, sha: str | None, timeout: float = 600.0) -> dict | None:
+    """Load the draft with weights_only=True in a subprocess (never in this process) and check it
+    against the target; results for a given (sha256, target) are cached. None without torch."""
+    if not torch_available():
+        return None
+    cache_key = f"{sha}|{_target_sig(target)}" if sha else None
+    cache_path = Path(runfolder._cache_file()).with_name("deepcheck.json")
+    if cache_key:
+        cache, _ = runfolder.read_json(cache_path)
+        if cache and isinstance(cache.get(cache_key), dict):
+            return {**cache[cache_key], "cached": True}
+    cmd = [sys.executable, "-m", "longspec_cli.core.draftcheck_main", str(draft)]
+    if target is not None:
+        cmd += ["--target", str(target)]
+    env = dict(os.environ)
+    pkg_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        raise InputError(f"checking {draft} took over {timeout:.0f} s", hint="use --no-deep to skip the load check")
+    report = _last_json(proc.stdout)
+    if report is None:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise InputError(f"could not check {draft}: the checker exited {proc.returncode}: {' / '.join(tail)}",
+                         hint="use --no-deep to skip the load check")
+    if not report.get("loadable"):
+        raise InputError(f"{draft} cannot be loaded with weights_only=True: {report.get('error')}",
+                         hint="a corrupt or unsafe checkpoint; re-run the stage that made it")
+    if report.get("problems"):
+        shown = "; ".join(report["problems"][:5])
+        raise RefusedError(f"{draft} does not fit the target: {shown}",
+                           hint="the draft was trained for another target, or the target changed")
+    if cache_key:
+        cache, _ = runfolder.read_json(cache_path)
+        cache = cache or {}
+        cache[cache_key] = report
+        try:
+            from longspec_cli.core.atomic import atomic_write_json
+
+            atomic_write_json(cache_path, dict(list(cache.items())[-256:]))
+        except OSError:
+            pass
+    return report
+
+
+def _target_sig(target: Path | None) -> str:
+    if target is None:
+        return "-"
+    cfg = Path(target) / "config.json"
+    try:
+        st = cfg.stat()
+        return f"{os.path.abspath(target)}:{st.st_size}:{st.st_mtime_ns}"
+    except OSError:
+        return f"{os.path.abspath(target)}:no-config"
+
+
+def _last_json(out: str) -> dict | None:
+    for line in reversed((out or "").strip().splitlines()):
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            return obj
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# choosing the stage and writing the edit
+
+
+@dataclass
+class ChainResult:
+    config: str
+    key: str
+    old: Any
+    new: str
+    changed: bool  # the file's text differs after the edit (with --dry-run: would differ)
+    written: bool
+    draft_sha256: str | None
+    stage: str | None = None
+    from_stage: str | None = None
+    deep_check: dict | None = None
+    diff: str = field(default="", repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("diff")
+        return d
+
+
+def pick_stage(manifest: Manifest, to: str | None) -> tuple[StageSpec, StageSpec] | None:
+    """(target stage, stage whose draft it takes); None when every finished upstream is already chained."""
+    if to is not None:
+        spec = manifest.stage(to)
+        prev = manifest.previous(to)
+        if prev is None:
+            raise UsageError(f"stage {to} has draft_from: null; it starts from a fresh draft",
+                             hint="pick a stage that has draft_from in longspec.yaml")
+        return spec, prev
+    finished = False
+    for spec in manifest.stages:
+        if not spec.draft_from:
+            continue
+        prev = manifest.stage(spec.draft_from)
+        if not _looks_done(prev):
+            continue
+        finished = True
+        current = yamlio.load_mapping(spec.config).data.get(DRAFT_KEY)
+        if not _points_at(current, runfolder.RunDir(prev.output_dir).weights_for(
+                runfolder.RunDir(prev.output_dir).stage_complete()), manifest.root):
+            return spec, prev
+    if not finished:
+        first = next((s.draft_from for s in manifest.stages if s.draft_from), None)
+        raise RefusedError("no stage has a finished upstream to take a draft from"
+                           + (f" ({first} is not complete)" if first else ""),
+                           hint="finish a stage first (`longspec run`); `longspec status` shows where each stands")
+    return None
+
+
+def _looks_done(spec: StageSpec) -> bool:
+    rd = runfolder.RunDir(spec.output_dir)
+    complete = rd.stage_complete()
+    w = rd.weights_for(complete)
+    return complete is not None and w.is_file() and runfolder.cached_sha256(w) == complete.get("sha256")
+
+
+def _points_at(current: Any, weights: Path, root: Path) -> bool:
+    if not isinstance(current, str) or not current.strip():
+        return False
+    p = Path(os.path.expanduser(current))
+    p = p if p.is_absolute() else root / p
+    return os.path.realpath(p) == os.path.realpath(weights)
+
+
+def target_of(config_data: Any, base: Path, fallback: Path | None) -> Path | None:
+    """The target model folder for the deep check: the config's model_name_or_path when it is a folder."""
+    v = config_data.get(AFTER_KEY) if isinstance(config_data, dict) else None
+    if isinstance(v, str) and v and "${" not in v:
+        p = Path(os.path.expanduser(v))
+        p = p if p.is_absolute() else base / p
+        if p.is_dir():
+            return p
+    return fallback if fallback is not None and Path(fallback).is_dir() else None
+
+
+def write_draft_key(config: Path, draft: VerifiedDraft, *, dry_run: bool, stage: str | None = None,
+                    from_stage: str | None = None) -> ChainResult:
+    """Set DRAFT_KEY in `config` to the draft's absolute path (one line), atomically under a lock."""
+    import contextlib
+
+    from longspec_cli.core.atomic import atomic_write_text, locked
+
+    new = str(draft.path)
+    guard = contextlib.nullcontext() if dry_run else locked(config)
+    with guard:
+        text = yamlio.read_text(config)
+        with open(config, "rb") as f:
+            bom = BOM if f.read(3) == b"\xef\xbb\xbf" else ""
+        edit = set_root_scalar(text, DRAFT_KEY, new, config)
+        written = False
+        if edit.changed and not dry_run:
+            atomic_write_text(config, bom + edit.new_text)
+            written = True
+    return ChainResult(config=str(config), key=DRAFT_KEY, old=edit.old_value, new=new, changed=edit.changed,
+                       written=written, draft_sha256=draft.sha256, stage=stage, from_stage=from_stage,
+                       deep_check=draft.deep, diff=edit.diff(str(config)) if edit.changed else "")
+
+
+def chain_project(manifest: Manifest, to: str | None, *, dry_run: bool, deep: bool | None) -> ChainResult | None:
+    picked = pick_stage(manifest, to)
+    if picked is None:
+        return None
+    spec, prev = picked
+    if not spec.config.is_file():
+        raise UsageError(f"stage {spec.name}: config {spec.config} does not exist",
+                         hint="fix `config` in longspec.yaml")
+    doc = yamlio.load_mapping(spec.config)  # bad YAML -> exit 3 before anything else happens
+    draft = verify_stage_draft(prev, target_of(doc.data, manifest.root, manifest.target), deep)
+    return write_draft_key(spec.config, draft, dry_run=dry_run, stage=spec.name, from_stage=prev.name)
+
+
+def chain_explicit(config: Path, draft_path: Path, *, dry_run: bool, deep: bool | None) -> ChainResult:
+    if not config.exists():
+        raise UsageError(f"{config}: no such file", hint="--config takes a stage YAML")
+    doc = yamlio.load_mapping(config)
+    draft = verify_explicit_draft(draft_path, target_of(doc.data, config.parent, None), deep)
+    return write_draft_key(config, draft, dry_run=dry_run)

@@ -1,0 +1,399 @@
+"""The run-folder contract (docs/DESIGN.md): what a stage's `output_dir` holds, read side + shared helpers.
+
+    output_dir/
+      draft_model_weights.pth     final draft (stage_complete.json names its sha256)
+      checkpoint-<step>/          complete once checkpoint.json exists
+      metrics.jsonl               step records and events, one JSON object per line (append-only)
+      run.json                    launcher: pid, pgid, host, argv, started_at, proc_start (+ overrides)
+      stage_complete.json         trainer, last: stage, steps, final_loss, sha256, config_sha256, ...
+
+Readers never trust a line or a file blindly: malformed JSONL lines are skipped and counted, a
+malformed JSON file reads as None plus a reason. The trainer imports `config_fingerprint` from
+here so that both sides hash a config the same way. Pure: no torch, no third-party imports at
+module level.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+WEIGHTS = "draft_model_weights.pth"
+WEIGHTS_SAFETENSORS = "draft_model_weights.safetensors"
+METRICS = "metrics.jsonl"
+RUN_INFO = "run.json"
+STAGE_COMPLETE = "stage_complete.json"
+CHECKPOINT_INFO = "checkpoint.json"
+_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+def config_fingerprint(exp_file: str | os.PathLike, overrides: Iterable[str] = ()) -> str:
+    """sha256 over the experiment file's bytes, then the sorted overrides (output_dir= excluded), "\\n"-joined.
+
+    The trainer writes this into stage_complete.json as `config_sha256`; `status` recomputes it.
+    """
+    h = hashlib.sha256()
+    with open(exp_file, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    h.update("\n".join(sorted(o for o in overrides if not o.startswith("output_dir="))).encode("utf-8"))
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics.jsonl
+
+
+@dataclass
+class MetricsLog:
+    records: list[dict] = field(default_factory=list)  # every parsed line, in file order
+    skipped: int = 0  # malformed or partial lines
+
+    @property
+    def steps(self) -> list[dict]:
+        return [r for r in self.records if is_step_record(r)]
+
+    @property
+    def events(self) -> list[dict]:
+        return [r for r in self.records if "event" in r]
+
+
+def is_step_record(rec: dict) -> bool:
+    return "event" not in rec and isinstance(rec.get("step"), int) and not isinstance(rec.get("step"), bool)
+
+
+def parse_jsonl_line(raw: bytes | str) -> dict | None:
+    """One metrics line -> dict, or None when it is not a JSON object."""
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def read_metrics(path: str | os.PathLike) -> MetricsLog:
+    log = MetricsLog()
+    try:
+        data = Path(path).read_bytes()
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        return log
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    for raw in lines:
+        if not raw.strip():
+            continue
+        rec = parse_jsonl_line(raw)
+        if rec is None:
+            log.skipped += 1
+        else:
+            log.records.append(rec)
+    return log
+
+
+def append_metrics(path: str | os.PathLike, record: dict) -> None:
+    """Append one JSON line (the trainer's writer side; one write call per line)."""
+    line = (json.dumps(record, separators=(",", ":"), allow_nan=True) + "\n").encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+class MetricsTail:
+    """Follow metrics.jsonl by byte offset: each poll() reads only what was appended since the last one.
+
+    Handles a partial last line (kept until its newline arrives), truncation or replacement (size
+    shrinks, inode changes or the first bytes differ -> restart from 0, `reset` is set on that
+    batch), and deletion (`missing`). Used by the Textual monitor; never imports textual.
+    """
+
+    HEAD = 64  # bytes of the file start remembered to notice a rewrite that did not shrink it
+
+    def __init__(self, path: str | os.PathLike, max_bytes_per_poll: int = 8 << 20):
+        self.path = Path(path)
+        self.max_bytes = max_bytes_per_poll
+        self.offset = 0
+        self.skipped = 0
+        self._ident: tuple[int, int] | None = None
+        self._head = b""
+        self._partial = b""
+
+    def _restart(self) -> None:
+        self.offset, self._ident, self._head, self._partial = 0, None, b"", b""
+
+    def poll(self) -> "TailBatch":
+        try:
+            f = open(self.path, "rb")
+        except (FileNotFoundError, IsADirectoryError, PermissionError):
+            was_open = self._ident is not None
+            self._restart()
+            return TailBatch([], reset=was_open, missing=True)
+        with f:
+            st = os.fstat(f.fileno())
+            ident = (st.st_dev, st.st_ino)
+            reset = False
+            if st.st_size < self.offset or (self._ident is not None and (
+                    ident != self._ident or not self._head_same(f))):
+                self._restart()
+                reset = True
+            if self._ident is None:
+                self._ident = ident
+                if self.offset > 0 and not self._head:  # a caller started us mid-file
+                    f.seek(0)
+                    self._head = f.read(min(self.HEAD, self.offset))
+            if st.st_size <= self.offset:
+                return TailBatch([], reset=reset)
+            f.seek(self.offset)
+            chunk = f.read(min(st.st_size - self.offset, self.max_bytes))
+            if len(self._head) < self.HEAD and self.offset < self.HEAD:
+                self._head = (self._head + chunk)[: self.HEAD]
+        self.offset += len(chunk)
+        data = self._partial + chunk
+        lines = data.split(b"\n")
+        self._partial = lines.pop()  # b"" when the chunk ended on a newline
+        out = []
+        for raw in lines:
+            if not raw.strip():
+                continue
+            rec = parse_jsonl_line(raw)
+            if rec is None:
+                self.skipped += 1
+            else:
+                out.append(rec)
+        return TailBatch(out, reset=reset)
+
+    def _head_same(self, f) -> bool:
+        if not self._head:
+            return True
+        f.seek(0)
+        return f.read(len(self._head)) == self._head
+
+
+@dataclass
+class TailBatch:
+    records: list[dict]
+    reset: bool = False  # the file was truncated/replaced: drop what you had, these start over
+    missing: bool = False  # the file does not exist (now)
+
+    def __iter__(self):
+        return iter(self.records)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON files, checkpoints
+
+
+def read_json(path: str | os.PathLike) -> tuple[dict | None, str | None]:
+    """(object, None) or (None, reason). A missing file is (None, None)."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        return None, None
+    except (IsADirectoryError, PermissionError) as e:
+        return None, f"{p}: cannot read ({e.strerror or e})"
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        return None, f"{p}: not valid JSON ({e})"
+    if not isinstance(obj, dict):
+        return None, f"{p}: expected a JSON object, got {type(obj).__name__}"
+    return obj, None
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    path: Path
+    info: dict
+
+
+class RunDir:
+    """Read side of one stage's output_dir."""
+
+    def __init__(self, output_dir: str | os.PathLike):
+        self.path = Path(output_dir)
+        self.stage_complete_error: str | None = None
+        self.run_info_error: str | None = None
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / METRICS
+
+    @property
+    def final_weights(self) -> Path:
+        return self.path / WEIGHTS
+
+    def exists(self) -> bool:
+        return self.path.is_dir()
+
+    def metrics(self) -> MetricsLog:
+        return read_metrics(self.metrics_path)
+
+    def events(self) -> list[dict]:
+        """Event records only; step lines are not JSON-parsed (a long run has many of them)."""
+        try:
+            data = self.metrics_path.read_bytes()
+        except (FileNotFoundError, IsADirectoryError, PermissionError):
+            return []
+        out = []
+        for raw in data.split(b"\n"):
+            if b'"event"' in raw:
+                rec = parse_jsonl_line(raw)
+                if rec is not None and "event" in rec:
+                    out.append(rec)
+        return out
+
+    def last_step_record(self) -> dict | None:
+        """The last well-formed step record, reading the file from the end."""
+        try:
+            with open(self.metrics_path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                block, pos, tail = 64 * 1024, size, b""
+                while pos > 0:
+                    start = max(0, pos - block)
+                    f.seek(start)
+                    tail = f.read(pos - start) + tail
+                    pos = start
+                    lines = tail.split(b"\n")
+                    # the first piece may be cut in the middle unless we reached the file start
+                    candidates = lines if pos == 0 else lines[1:]
+                    for raw in reversed(candidates):
+                        rec = parse_jsonl_line(raw) if raw.strip() else None
+                        if rec is not None and is_step_record(rec):
+                            return rec
+                    tail = lines[0] if pos > 0 else b""
+        except (FileNotFoundError, IsADirectoryError, PermissionError):
+            pass
+        return None
+
+    def stage_complete(self) -> dict | None:
+        obj, why = read_json(self.path / STAGE_COMPLETE)
+        if obj is not None:
+            sha = obj.get("sha256")
+            if not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)):
+                obj, why = None, f"{self.path / STAGE_COMPLETE}: `sha256` missing or not a hex digest"
+        self.stage_complete_error = why
+        return obj
+
+    def run_info(self) -> dict | None:
+        obj, why = read_json(self.path / RUN_INFO)
+        self.run_info_error = why
+        return obj
+
+    def weights_for(self, complete: dict | None) -> Path:
+        """The final weights file stage_complete.json names (relative to the run folder), or the default."""
+        name = (complete or {}).get("weights")
+        if isinstance(name, str) and name:
+            p = Path(name)
+            return p if p.is_absolute() else self.path / p
+        return self.final_weights
+
+    def checkpoints(self) -> list[Checkpoint]:
+        """Complete checkpoints (checkpoint.json present and a JSON object), sorted by step."""
+        out = []
+        try:
+            entries = list(os.scandir(self.path))
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            return out
+        for e in entries:
+            m = _CKPT_RE.match(e.name)
+            if not m or not e.is_dir():
+                continue
+            info, _ = read_json(Path(e.path) / CHECKPOINT_INFO)
+            if info is not None:
+                out.append(Checkpoint(step=int(m.group(1)), path=Path(e.path), info=info))
+        return sorted(out, key=lambda c: c.step)
+
+
+# ---------------------------------------------------------------------------------------------
+# processes
+
+
+def proc_start_time(pid: int) -> int | float | None:
+    """The process's start time: /proc/<pid>/stat field 22 (clock ticks since boot), else psutil's
+    create_time(); None when there is no such process (or it is a zombie)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            stat = f.read().decode("ascii", "replace")
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    except OSError:
+        stat = None
+    if stat is not None:
+        # "pid (comm) state ppid ..." - comm may hold spaces and parens, so split after the last ')'
+        rest = stat[stat.rfind(")") + 2:].split()
+        if len(rest) < 20 or rest[0] in ("Z", "X"):
+            return None
+        return int(rest[19])  # field 22 overall; fields after ')' start at 3
+    try:
+        import psutil
+    except ImportError:
+        return None
+    try:
+        p = psutil.Process(int(pid))
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return p.create_time()
+    except (psutil.Error, ValueError):
+        return None
+
+
+def pid_alive(pid: Any, proc_start: Any) -> bool:
+    """True only if `pid` exists AND started at `proc_start` (so a reused pid is not the run)."""
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0 or proc_start is None:
+        return False
+    now = proc_start_time(pid)
+    if now is None:
+        return False
+    if isinstance(now, int) and isinstance(proc_start, int) and not isinstance(proc_start, bool):
+        return now == proc_start
+    try:
+        return abs(float(now) - float(proc_start)) < 1e-3
+    except (TypeError, ValueError):
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# hashing with a cache (status must not re-hash multi-GB drafts on every call)
+
+
+def _cache_file() -> Path:
+    base = os.environ.get("LONGSPEC_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "longspec")
+    return Path(base) / "sha256.json"
+
+
+def cached_sha256(path: str | os.PathLike) -> str:
+    """sha256 of a file, remembered by (device, inode, size, mtime_ns, ctime_ns) so an unchanged
+    file is hashed once. Any change to the file (even with mtime restored) changes ctime."""
+    from longspec_cli.core.atomic import atomic_write_json, sha256_file
+
+    p = Path(path).absolute()
+    st = p.stat()
+    key = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+    cache_path = _cache_file()
+    cache, _ = read_json(cache_path)
+    cache = cache or {}
+    hit = cache.get(str(p))
+    if isinstance(hit, dict) and hit.get("key") == key and isinstance(hit.get("sha256"), str):
+        return hit["sha256"]
+    digest = sha256_file(p)
+    cache[str(p)] = {"key": key, "sha256": digest}
+    if len(cache) > 512:  # keep the cache small: drop the oldest entries (dicts keep insertion order)
+        cache = dict(list(cache.items())[-512:])
+    try:
+        atomic_write_json(cache_path, cache)
+    except OSError:
+        pass  # a read-only home is fine: we just hash again next time
+    return digest

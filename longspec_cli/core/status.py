@@ -1,0 +1,229 @@
+"""Where each stage stands, from its run folder alone, and what `longspec run` would do next.
+
+States (docs/DESIGN.md): done, stale, running, failed, pending. Order of the checks:
+  running  run.json names a live pid on this host whose start time matches `proc_start`
+  done     stage_complete.json present and the weights' sha256 matches it
+  stale    done, but the config fingerprint changed, or the input draft differs from the
+           upstream stage's current final draft, or the upstream stage is itself not done
+  failed   the last lifecycle event is `error`, or run.json's process is gone without
+           stage_complete.json, or the final weights no longer match stage_complete.json
+  pending  anything else (resumable when complete checkpoints exist)
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from longspec_cli.core import runfolder
+from longspec_cli.core.manifest import Manifest, StageSpec
+
+STATES = ("pending", "running", "done", "failed", "stale")
+DRAFT_KEY = "draft_model_name_or_path"
+
+
+@dataclass
+class StageStatus:
+    name: str
+    config: str
+    output_dir: str
+    state: str
+    steps: int | None = None
+    total_steps: int | None = None
+    last_loss: float | None = None
+    draft_from: str | None = None
+    draft_model_name_or_path: str | None = None
+    draft_weights: str | None = None  # the stage's final weights, when the file exists
+    sha256: str | None = None  # of draft_weights
+    next_action: str = "start"
+    action: str = "start"  # machine form: start | resume | skip | wait | rerun | blocked
+    resume_step: int | None = None
+    reasons: list[str] = field(default_factory=list)  # why stale / failed / blocked, and notes
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def project_status(manifest: Manifest) -> list[StageStatus]:
+    out: list[StageStatus] = []
+    by_name: dict[str, StageStatus] = {}
+    for spec in manifest.stages:
+        upstream = by_name.get(spec.draft_from) if spec.draft_from else None
+        st = stage_status(spec, upstream, manifest.root)
+        out.append(st)
+        by_name[spec.name] = st
+    return out
+
+
+def stage_status(spec: StageSpec, upstream: StageStatus | None = None, root: Path | None = None) -> StageStatus:
+    rd = runfolder.RunDir(spec.output_dir)
+    st = StageStatus(name=spec.name, config=str(spec.config), output_dir=str(spec.output_dir),
+                     state="pending", draft_from=spec.draft_from)
+    st.draft_model_name_or_path = _draft_key(spec.config, st.reasons)
+
+    complete = rd.stage_complete()
+    if rd.stage_complete_error:
+        st.reasons.append(f"ignored: {rd.stage_complete_error}")
+    info = rd.run_info()
+    if rd.run_info_error:
+        st.reasons.append(f"ignored: {rd.run_info_error}")
+    weights = rd.weights_for(complete)
+    if weights.is_file():
+        st.draft_weights = str(weights)
+        try:
+            st.sha256 = runfolder.cached_sha256(weights)
+        except OSError as e:
+            st.reasons.append(f"cannot hash {weights}: {e.strerror or e}")
+
+    events = rd.events()
+    _progress(st, rd, complete, events)
+    lifecycle = [e for e in events if e.get("event") in ("start", "resume", "end", "error")]
+    last_event = lifecycle[-1] if lifecycle else None
+
+    if info is not None and _running(info, st):
+        st.state = "running"
+    elif complete is not None and st.sha256 is not None and st.sha256 == complete.get("sha256"):
+        st.state = "done"
+        _check_stale(st, spec, complete, info, upstream)
+    elif complete is not None:
+        st.state = "failed"
+        st.reasons.append("final weights missing" if st.draft_weights is None
+                          else "final weights do not match stage_complete.json sha256 (truncated or replaced)")
+    elif last_event is not None and last_event.get("event") == "error":
+        st.state = "failed"
+        st.reasons.append(f"error at step {last_event.get('step')}: {last_event.get('message', '?')}")
+    elif info is not None:
+        st.state = "failed"
+        how = ("stopped (Ctrl-C or `longspec stop`)" if info.get("interrupted")
+               else f"exited with code {info['returncode']}" if isinstance(info.get("returncode"), int)
+               else "is gone")
+        st.reasons.append(f"process {info.get('pid')} {how} and stage_complete.json was never written")
+    _next_action(st, rd, upstream)
+    if (st.action in ("start", "resume", "rerun") and upstream is not None and upstream.draft_weights
+            and not _same_file(st.draft_model_name_or_path, upstream.draft_weights, root or spec.config.parent)):
+        st.reasons.append(f"{DRAFT_KEY} does not point at {upstream.name}'s final draft yet "
+                          f"(`longspec next-stage` sets it)")
+    return st
+
+
+def _same_file(value: str | None, path: str, root: Path) -> bool:
+    import os
+
+    if not value:
+        return False
+    p = Path(os.path.expanduser(value))
+    p = p if p.is_absolute() else root / p
+    return os.path.realpath(p) == os.path.realpath(path)
+
+
+def _draft_key(config: Path, notes: list[str]) -> str | None:
+    from longspec_cli.core import yamlio
+
+    try:
+        doc = yamlio.load_mapping(config)
+    except yamlio.YamlError as e:
+        notes.append(f"config unreadable: {e.message}")
+        return None
+    v = doc.data.get(DRAFT_KEY)
+    return None if v is None else str(v)
+
+
+def _progress(st: StageStatus, rd: runfolder.RunDir, complete: dict | None, events: list[dict]) -> None:
+    last = rd.last_step_record()
+    if last is not None:
+        st.steps = last.get("step")
+        st.total_steps = _int(last.get("total_steps"))
+        st.last_loss = _float(last.get("loss"))
+    if complete is not None:
+        st.steps = _int(complete.get("steps")) if _int(complete.get("steps")) is not None else st.steps
+        if st.last_loss is None:
+            st.last_loss = _float(complete.get("final_loss"))
+    if st.total_steps is None:
+        for ev in reversed(events):
+            if ev.get("event") == "start" and _int(ev.get("total_steps")) is not None:
+                st.total_steps = _int(ev.get("total_steps"))
+                break
+
+
+def _running(info: dict, st: StageStatus) -> bool:
+    host = info.get("host")
+    if host and host != socket.gethostname():
+        st.reasons.append(f"started on host {host}; its process cannot be checked from here")
+        return True
+    if runfolder.pid_alive(info.get("pid"), info.get("proc_start")):
+        return True
+    return False
+
+
+def _check_stale(st: StageStatus, spec: StageSpec, complete: dict, info: dict | None,
+                 upstream: StageStatus | None) -> None:
+    overrides = (info or {}).get("overrides") or []
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        overrides = []
+    if not spec.config.is_file():
+        st.reasons.append(f"config {spec.config} is missing; cannot check whether it changed")
+    elif runfolder.config_fingerprint(spec.config, overrides) != complete.get("config_sha256"):
+        st.state = "stale"
+        st.reasons.append(f"config changed since the run ({spec.config.name})")
+    if upstream is not None:
+        if upstream.state != "done":
+            st.state = "stale"
+            st.reasons.append(f"upstream stage {upstream.name} is {upstream.state}")
+        elif complete.get("draft_sha256") != upstream.sha256:
+            st.state = "stale"
+            st.reasons.append(f"trained from a different draft than {upstream.name}'s current one"
+                              if complete.get("draft_sha256") else
+                              f"trained without {upstream.name}'s draft")
+
+
+def _next_action(st: StageStatus, rd: runfolder.RunDir, upstream: StageStatus | None) -> None:
+    if st.state == "done":
+        st.next_action, st.action = "skip (done)", "skip"
+        return
+    if st.state == "running":
+        st.next_action, st.action = "wait (running)", "wait"
+        return
+    if st.state == "stale":
+        st.next_action, st.action = "re-run (stale)", "rerun"
+        return
+    if upstream is not None and upstream.state != "done":
+        st.next_action, st.action = f"wait for {upstream.name}", "blocked"
+        return
+    ckpts = rd.checkpoints() if st.state in ("pending", "failed") else []
+    if ckpts:
+        st.resume_step = ckpts[-1].step
+        st.next_action, st.action = f"resume from step {st.resume_step}", "resume"
+    elif st.state == "failed":
+        st.next_action, st.action = "re-run (failed)", "rerun"
+    else:
+        st.next_action, st.action = "start", "start"
+
+
+def run_plan(stages: list[StageStatus]) -> str:
+    """One sentence: what `longspec run` would do next."""
+    for st in stages:
+        if st.action == "skip":
+            continue
+        if st.action == "wait":
+            return f"{st.name} is running; `longspec run` would wait for it (watch it with `longspec monitor`)"
+        if st.action == "blocked":
+            return f"{st.name} waits for an earlier stage"
+        if st.action == "resume":
+            return f"`longspec run` would resume {st.name} from step {st.resume_step}"
+        if st.action == "rerun":
+            why = f" ({'; '.join(st.reasons)})" if st.reasons else ""
+            return f"`longspec run` would re-run {st.name}{why}"
+        return f"`longspec run` would start {st.name}"
+    return "every stage is done; nothing to run"
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _float(v: Any) -> float | None:
+    if isinstance(v, bool):
+        return None
+    return float(v) if isinstance(v, (int, float)) else None

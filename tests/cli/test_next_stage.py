@@ -1,0 +1,259 @@
+"""`longspec next-stage`: picking the stage, verifying the upstream draft, refusing without touching
+the file, explicit mode, and the subprocess deep check (weights_only=True, keys/shapes vs the target)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+from typer.testing import CliRunner
+
+from longspec_cli.app import app
+from longspec_cli.core.yamlio import load_mapping
+
+from .conftest import (BAD_YAML, HAS_TORCH, TINY_TARGET_CONFIG, finish_chain, finish_stage, no_traceback,
+                       panel_text)
+
+runner = CliRunner()
+needs_torch = pytest.mark.skipif(not HAS_TORCH, reason="the deep check runs only where torch is installed")
+
+
+def _ns(*args: str):
+    return runner.invoke(app, ["next-stage", *args])
+
+
+def _snapshot(project) -> dict[str, bytes]:
+    return {n: project.config(n).read_bytes() for n in ("base", "long", "longcot")}
+
+
+def _only_line_changed(before: bytes, after: bytes) -> tuple[bytes | None, bytes]:
+    """(old line or None when inserted, new line); fails when anything else differs."""
+    a, b = before.split(b"\n"), after.split(b"\n")
+    if len(a) == len(b):
+        diffs = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+        assert len(diffs) == 1, diffs
+        return a[diffs[0]], b[diffs[0]]
+    assert len(b) == len(a) + 1
+    for i in range(len(b)):
+        if b[:i] + b[i + 1:] == a:
+            return None, b[i]
+    raise AssertionError("more than one line changed")
+
+
+def test_default_chains_the_first_finished_upstream_and_only_that_line_changes(project, drafts):
+    finish_stage(project, "base", drafts["0"])
+    before = _snapshot(project)
+    res = _ns(str(project.root), "--no-deep")
+    assert res.exit_code == 0, res.output
+    after = _snapshot(project)
+    assert after["base"] == before["base"] and after["longcot"] == before["longcot"]
+    old, new = _only_line_changed(before["long"], after["long"])
+    assert old == b"draft_model_name_or_path: null"
+    assert new == f"draft_model_name_or_path: {project.weights('base')}".encode()
+    assert load_mapping(project.config("long")).data["draft_model_name_or_path"] == str(project.weights("base"))
+    # run again: long already points at base's draft and long is not finished -> nothing to do
+    res = _ns(str(project.root), "--no-deep")
+    assert res.exit_code == 0 and "nothing to do" in res.output
+    assert _snapshot(project) == after
+
+
+def test_walks_the_chain_stage_by_stage(project, drafts):
+    finish_chain(project, drafts, upto="long")  # long already points at base, and is finished
+    res = _ns(str(project.root), "--no-deep", "--json")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["stage"] == "longcot" and out["from_stage"] == "long"
+    assert out["key"] == "draft_model_name_or_path"
+    assert out["old"] is None and out["new"] == str(project.weights("long"))
+    assert out["changed"] is True and out["written"] is True
+    assert out["draft_sha256"] == project.sha("long")
+    assert out["config"] == str(project.config("longcot"))
+
+
+def test_dry_run_prints_a_diff_and_changes_nothing(project, drafts):
+    finish_stage(project, "base", drafts["0"])
+    before = _snapshot(project)
+    res = _ns(str(project.root), "--dry-run", "--no-deep")
+    assert res.exit_code == 0, res.output
+    assert "-draft_model_name_or_path: null" in res.output
+    assert f"+draft_model_name_or_path: {project.weights('base')}" in res.output
+    assert _snapshot(project) == before
+    js = json.loads(_ns(str(project.root), "--dry-run", "--no-deep", "--json").output)
+    assert js["changed"] is True and js["written"] is False and js["dry_run"] is True
+    assert _snapshot(project) == before
+
+
+def test_to_picks_the_stage_and_rechaining_the_same_path_is_a_no_op(project, drafts):
+    finish_chain(project, drafts)
+    res = _ns(str(project.root), "--to", "long", "--no-deep", "--json")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["changed"] is False and out["old"] == out["new"] == str(project.weights("base"))
+    assert _ns(str(project.root), "--to", "base").exit_code == 2  # base has draft_from: null
+    res = _ns(str(project.root), "--to", "lnog")
+    assert res.exit_code == 2 and "did you mean 'long'" in panel_text(res.output)
+
+
+@pytest.mark.parametrize("damage", ["no stage_complete", "sha mismatch", "truncated weights", "weights gone"])
+def test_refusals_leave_every_config_byte_identical(project, drafts, damage):
+    finish_stage(project, "base", drafts["0"])
+    w = project.weights("base")
+    if damage == "no stage_complete":
+        (project.out("base") / "stage_complete.json").unlink()
+    elif damage == "sha mismatch":
+        w.write_bytes(drafts["1"])
+    elif damage == "truncated weights":
+        w.write_bytes(drafts["0"][: len(drafts["0"]) // 2])
+    else:
+        w.unlink()
+    before = _snapshot(project)
+    res = _ns(str(project.root), "--to", "long")
+    assert res.exit_code == 1, res.output
+    no_traceback(res)
+    assert _snapshot(project) == before
+    text = panel_text(res.output)
+    assert {"no stage_complete": "not complete", "sha mismatch": "does not match stage_complete.json",
+            "truncated weights": "does not match stage_complete.json", "weights gone": "is missing"}[damage] in text
+
+
+def test_default_mode_with_nothing_finished_is_refused(project):
+    before = _snapshot(project)
+    res = _ns(str(project.root))
+    assert res.exit_code == 1 and "no stage has a finished upstream" in panel_text(res.output)
+    assert _snapshot(project) == before
+
+
+def test_malformed_stage_complete_is_unreadable_input(project, drafts):
+    finish_stage(project, "base", drafts["0"])
+    (project.out("base") / "stage_complete.json").write_text("{half")
+    before = _snapshot(project)
+    res = _ns(str(project.root), "--to", "long")
+    assert res.exit_code == 3 and "not valid JSON" in panel_text(res.output)
+    assert _snapshot(project) == before
+
+
+@pytest.mark.parametrize("name", list(BAD_YAML))
+def test_bad_target_yaml_exits_3_untouched(project, drafts, name):
+    finish_stage(project, "base", drafts["0"])
+    raw, needle = BAD_YAML[name]
+    project.config("long").write_bytes(raw)
+    res = _ns(str(project.root), "--to", "long", "--no-deep")
+    assert res.exit_code == 3, (name, res.output)
+    no_traceback(res)
+    assert needle in panel_text(res.output)
+    assert project.config("long").read_bytes() == raw
+    # explicit mode says the same
+    res = _ns("--config", str(project.config("long")), "--draft", str(project.weights("base")), "--no-deep")
+    assert res.exit_code == 3 and project.config("long").read_bytes() == raw
+
+
+def test_explicit_mode_edits_the_given_config(tmp_path, drafts):
+    cfg = tmp_path / "long.yaml"
+    cfg.write_bytes(b"# exp\nmodel_name_or_path: /t\ndraft_model_name_or_path: ~  # fill me\nlr: 1\n")
+    draft = tmp_path / "my draft" / "w.pth"
+    draft.parent.mkdir()
+    draft.write_bytes(drafts["0"])
+    res = _ns("--config", str(cfg), "--draft", str(draft), "--no-deep", "--json")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["new"] == str(draft) and out["old"] is None and out["changed"]
+    assert cfg.read_bytes() == (b"# exp\nmodel_name_or_path: /t\ndraft_model_name_or_path: \"%s\"  # fill me\nlr: 1\n"
+                                % str(draft).encode())
+
+
+def test_explicit_mode_usage_errors(project, tmp_path, drafts):
+    finish_stage(project, "base", drafts["0"])
+    cfg = project.config("long")
+    before = cfg.read_bytes()
+    cases = [
+        ["--config", str(cfg), "--draft", str(tmp_path / "nope.pth")],
+        ["--config", str(tmp_path / "nope.yaml"), "--draft", str(project.weights("base"))],
+        ["--config", str(cfg)],
+        [str(project.root), "--config", str(cfg), "--draft", str(project.weights("base"))],
+        [],
+        [str(tmp_path / "no-project")],
+    ]
+    for args in cases:
+        res = _ns(*args)
+        assert res.exit_code == 2, (args, res.output)
+        no_traceback(res)
+    assert cfg.read_bytes() == before
+
+
+def test_a_flow_or_anchored_value_is_refused(tmp_path, drafts):
+    draft = tmp_path / "w.pth"
+    draft.write_bytes(drafts["0"])
+    for text, needle in [
+        (b"draft_model_name_or_path: [a, b]\n", "flow list"),
+        (b"draft_model_name_or_path:\n  a: 1\n", "block mapping"),
+        (b"x: &d /old\ndraft_model_name_or_path: *d\n", "anchor"),
+        (b"draft_model_name_or_path: &d /old\ny: *d\n", "anchor"),
+        (b"draft_model_name_or_path: |\n  /old\n", "block scalar"),
+        (b"draft_model_name_or_path: /a\n  /b\n", "several lines"),
+        (b"draft_model_name_or_path: \"/a\n  b\"\n", "several lines"),
+        (b"{draft_model_name_or_path: /a, b: 1}\n", "flow mapping"),
+    ]:
+        cfg = tmp_path / "c.yaml"
+        cfg.write_bytes(text)
+        res = _ns("--config", str(cfg), "--draft", str(draft), "--no-deep")
+        assert res.exit_code == 1, (text, res.output)
+        assert needle in panel_text(res.output), res.output
+        assert cfg.read_bytes() == text
+
+
+def test_help_has_examples():
+    res = runner.invoke(app, ["next-stage", "--help"])
+    assert res.exit_code == 0 and "Examples" in res.output and "--dry-run" in res.output
+
+
+# ----------------------------------------------------------------------------- deep check (torch)
+
+
+@needs_torch
+def test_deep_check_loads_the_draft_in_a_subprocess(project, drafts):
+    finish_stage(project, "base", drafts["0"])
+    res = _ns(str(project.root), "--json")
+    assert res.exit_code == 0, res.output
+    deep = json.loads(res.output)["deep_check"]
+    assert deep["loadable"] is True and deep["tensors"] == 2 and deep["parameters"] == 20
+    assert deep["target_checked"] is False and "no config.json" in deep["note"]
+
+
+@needs_torch
+def test_deep_check_refuses_a_pickle_that_is_not_just_tensors(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_bytes(b"draft_model_name_or_path: null\n")
+    evil = tmp_path / "evil.pth"
+    evil.write_bytes(pickle.dumps(_Evil()))
+    res = _ns("--config", str(cfg), "--draft", str(evil))
+    assert res.exit_code == 3, res.output
+    assert "weights_only=True" in panel_text(res.output)
+    assert not (tmp_path / "pwned").exists()
+    assert cfg.read_bytes() == b"draft_model_name_or_path: null\n"
+
+
+class _Evil:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("touch pwned",))
+
+
+@needs_torch
+def test_deep_check_against_the_target_shapes(project, drafts):
+    if "glide" not in drafts:
+        pytest.skip("longspec.model could not build a draft")
+    (project.target / "config.json").write_text(json.dumps(TINY_TARGET_CONFIG))
+    # a draft of the right architecture fits ...
+    finish_stage(project, "base", drafts["glide"])
+    res = _ns(str(project.root), "--dry-run", "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["deep_check"]["target_checked"] is True
+    # ... a state dict of something else is refused, and the config is untouched
+    finish_stage(project, "base", drafts["1"])
+    before = _snapshot(project)
+    res = _ns(str(project.root), "--to", "long")
+    assert res.exit_code == 1, res.output
+    assert "does not fit the target" in panel_text(res.output)
+    assert _snapshot(project) == before

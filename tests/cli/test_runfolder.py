@@ -1,0 +1,212 @@
+"""Run-folder contract, read side: metrics parsing and tailing, JSON files, checkpoints,
+the config fingerprint shared with the trainer, and pid liveness that survives pid reuse."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+
+from longspec_cli.core import runfolder as R
+
+from .conftest import write_checkpoint, write_metrics
+
+
+def _line(obj) -> str:
+    return json.dumps(obj) + "\n"
+
+
+# ----------------------------------------------------------------------------- fingerprint
+
+def test_config_fingerprint_is_exactly_file_bytes_then_sorted_overrides_without_output_dir(tmp_path):
+    exp = tmp_path / "base.yaml"
+    exp.write_bytes(b"lr: 1\r\n# comment\n")
+    overrides = ["seed=2", "output_dir=/x", "max_steps=5", "+data.max_seq_length=64"]
+    want = hashlib.sha256(b"lr: 1\r\n# comment\n" + "\n".join(
+        sorted(["seed=2", "max_steps=5", "+data.max_seq_length=64"])).encode()).hexdigest()
+    assert R.config_fingerprint(exp, overrides) == want
+    assert R.config_fingerprint(exp, []) == hashlib.sha256(exp.read_bytes()).hexdigest()
+    # order of overrides and output_dir do not matter; any byte of the file does
+    assert R.config_fingerprint(exp, list(reversed(overrides))) == want
+    assert R.config_fingerprint(exp, overrides[:1] + overrides[2:]) == want
+    exp.write_bytes(b"lr: 1\n# comment\n")
+    assert R.config_fingerprint(exp, overrides) != want
+
+
+# ----------------------------------------------------------------------------- metrics
+
+def test_metrics_skip_malformed_and_partial_lines_and_count_them(tmp_path):
+    out = tmp_path / "run"
+    write_metrics(out, 3, 10, end=False, extra_lines=["{not json", "[1, 2]", ""])
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "total_steps": 10, "lo')  # the trainer died mid-line
+    rd = R.RunDir(out)
+    log = rd.metrics()
+    assert [r["step"] for r in log.steps] == [1, 2, 3]
+    assert [e["event"] for e in log.events] == ["start"]
+    assert log.skipped == 3  # "{not json", "[1, 2]", the partial last line
+    assert rd.last_step_record()["step"] == 3
+    assert [e["event"] for e in rd.events()] == ["start"]
+
+
+def test_last_step_record_reads_backwards_across_blocks(tmp_path):
+    out = tmp_path / "run"
+    write_metrics(out, 3000, 3000, end=True)  # ~ 400 KB: several 64 KB blocks
+    assert (out / "metrics.jsonl").stat().st_size > 200_000
+    rec = R.RunDir(out).last_step_record()
+    assert rec["step"] == 3000 and rec["total_steps"] == 3000
+    assert R.RunDir(tmp_path / "missing").last_step_record() is None
+
+
+def test_metrics_tail_reads_only_appended_bytes_and_waits_for_a_partial_line(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    tail = R.MetricsTail(p)
+    b = tail.poll()
+    assert b.missing and b.records == []
+    p.write_text(_line({"event": "start", "step": 0}) + '{"step": 1, "lo')
+    b = tail.poll()
+    assert [r.get("event") for r in b] == ["start"] and not b.reset
+    with open(p, "a") as f:
+        f.write('ss": 2.5}\n' + _line({"step": 2, "loss": 2.0}))
+    b = tail.poll()
+    assert [(r["step"], r["loss"]) for r in b] == [(1, 2.5), (2, 2.0)]
+    assert tail.offset == p.stat().st_size
+    assert tail.poll().records == []
+    with open(p, "a") as f:
+        f.write("garbage\n" + _line({"step": 3}))
+    assert [r["step"] for r in tail.poll()] == [3]
+    assert tail.skipped == 1
+
+
+def test_metrics_tail_restarts_on_truncation_replacement_and_deletion(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    p.write_text("".join(_line({"step": i, "loss": 1.0}) for i in range(1, 6)))
+    tail = R.MetricsTail(p)
+    assert len(tail.poll()) == 5
+    # truncated and restarted by a fresh run
+    p.write_text(_line({"event": "start", "step": 0}))
+    b = tail.poll()
+    assert b.reset and [r.get("event") for r in b] == ["start"]
+    # replaced by rename (new inode), even when the new file is larger than the old offset
+    new = tmp_path / "new.jsonl"
+    new.write_text("".join(_line({"step": i, "loss": 9.0}) for i in range(100, 110)))
+    os.replace(new, p)
+    b = tail.poll()
+    assert b.reset and [r["step"] for r in b] == list(range(100, 110))
+    # rewritten in place with the same inode, not shorter: the first bytes differ
+    with open(p, "r+") as f:
+        f.write(_line({"step": 7, "loss": 0.5}))
+        f.write("".join(_line({"step": i, "loss": 0.5}) for i in range(8, 20)))
+    b = tail.poll()
+    assert b.reset and [r["step"] for r in b][:2] == [7, 8]
+    # deleted
+    p.unlink()
+    b = tail.poll()
+    assert b.missing and b.reset
+    p.write_text(_line({"step": 1}))
+    b = tail.poll()
+    assert [r["step"] for r in b] == [1] and not b.missing
+
+
+def test_metrics_tail_started_past_the_end_of_a_shorter_file_restarts(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    p.write_text(_line({"step": 1}))
+    tail = R.MetricsTail(p)
+    tail.offset = 10_000  # a monitor that opened at an old end offset
+    b = tail.poll()
+    assert b.reset and [r["step"] for r in b] == [1]
+
+
+def test_metrics_tail_started_mid_file_still_notices_an_in_place_rewrite(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    p.write_text("".join(_line({"step": i}) for i in range(1, 20)))
+    tail = R.MetricsTail(p)
+    tail.offset = p.stat().st_size  # the monitor read the history itself
+    assert tail.poll().records == []
+    with open(p, "r+") as f:  # same inode, not shorter, different start
+        f.write("".join(_line({"step": i, "loss": 0.1}) for i in range(100, 125)))
+    b = tail.poll()
+    assert b.reset and b.records[0]["step"] == 100
+
+
+def test_append_metrics_writes_one_line_per_record(tmp_path):
+    p = tmp_path / "m.jsonl"
+    R.append_metrics(p, {"step": 1, "loss": 1.5})
+    R.append_metrics(p, {"event": "end", "step": 1})
+    assert R.read_metrics(p).records == [{"step": 1, "loss": 1.5}, {"event": "end", "step": 1}]
+
+
+# ----------------------------------------------------------------------------- files
+
+def test_stage_complete_malformed_reads_as_none_with_a_reason(tmp_path):
+    rd = R.RunDir(tmp_path)
+    assert rd.stage_complete() is None and rd.stage_complete_error is None
+    (tmp_path / "stage_complete.json").write_text('{"stage": "base", "sha2')
+    assert rd.stage_complete() is None and "not valid JSON" in rd.stage_complete_error
+    (tmp_path / "stage_complete.json").write_text('["a"]')
+    assert rd.stage_complete() is None and "expected a JSON object" in rd.stage_complete_error
+    (tmp_path / "stage_complete.json").write_text('{"stage": "base", "sha256": "nope"}')
+    assert rd.stage_complete() is None and "sha256" in rd.stage_complete_error
+    good = {"stage": "base", "sha256": "a" * 64, "weights": "draft_model_weights.pth"}
+    (tmp_path / "stage_complete.json").write_text(json.dumps(good))
+    assert rd.stage_complete() == good and rd.stage_complete_error is None
+    assert rd.weights_for(good) == tmp_path / "draft_model_weights.pth" == rd.final_weights
+
+
+def test_checkpoints_are_only_complete_ones_sorted_by_step(tmp_path):
+    write_checkpoint(tmp_path, 1000)
+    write_checkpoint(tmp_path, 200)
+    write_checkpoint(tmp_path, 1200, complete=False)  # being written: no checkpoint.json yet
+    (tmp_path / "checkpoint-x").mkdir()
+    (tmp_path / "checkpoint-300").write_text("a file, not a folder")
+    bad = write_checkpoint(tmp_path, 1100, complete=False)
+    (bad / "checkpoint.json").write_text("{half")
+    assert [c.step for c in R.RunDir(tmp_path).checkpoints()] == [200, 1000]
+    assert R.RunDir(tmp_path / "nope").checkpoints() == []
+
+
+def test_run_info_reads_run_json(tmp_path):
+    rd = R.RunDir(tmp_path)
+    assert rd.run_info() is None
+    (tmp_path / "run.json").write_text(json.dumps({"pid": 5, "overrides": ["seed=1"]}))
+    assert rd.run_info()["overrides"] == ["seed=1"]
+
+
+# ----------------------------------------------------------------------------- processes
+
+def test_pid_alive_needs_the_same_start_time(tmp_path):
+    me = os.getpid()
+    start = R.proc_start_time(me)
+    assert start is not None
+    assert R.pid_alive(me, start)
+    assert not R.pid_alive(me, start - 1 if isinstance(start, int) else start - 5.0)  # a reused pid
+    assert not R.pid_alive(me, None)
+    assert not R.pid_alive("123", start) and not R.pid_alive(True, start) and not R.pid_alive(-1, start)
+
+
+def test_pid_alive_false_for_an_exited_process_and_a_zombie():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    start = R.proc_start_time(child.pid)
+    deadline = time.time() + 20
+    # not reaped yet: a zombie still has /proc/<pid>, but it is not a running training process
+    while R.proc_start_time(child.pid) is not None and time.time() < deadline:
+        time.sleep(0.02)
+    assert not R.pid_alive(child.pid, start)
+    child.wait()
+    assert not R.pid_alive(child.pid, start)
+
+
+def test_cached_sha256_rehashes_after_any_change(tmp_path):
+    f = tmp_path / "w.pth"
+    f.write_bytes(b"a" * 1000)
+    assert R.cached_sha256(f) == hashlib.sha256(b"a" * 1000).hexdigest()
+    assert R.cached_sha256(f) == hashlib.sha256(b"a" * 1000).hexdigest()
+    st = f.stat()
+    time.sleep(0.05)  # past the file system's timestamp granularity
+    with open(f, "r+b") as fh:
+        fh.write(b"b")  # same size ...
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))  # ... and mtime put back: ctime still moves
+    assert R.cached_sha256(f) == hashlib.sha256(b"b" + b"a" * 999).hexdigest()
