@@ -156,8 +156,21 @@ def stall_alert(median_interval: float | None, idle_s: float, stage: str,
     if idle_s <= limit:
         return None
     return Alert(WARNING, "stalled", stage,
-                 f"{stage}: no new metrics for {idle_s:.0f}s ({idle_s / max(median_interval, 1e-9):.0f}x the "
-                 f"median {median_interval:.1f}s between records); check train.log and the nodes")
+                 f"{stage}: no new metrics for over {_coarse(idle_s)} (the median between records is "
+                 f"{median_interval:.1f}s); check train.log and the nodes")
+
+
+_MARKS = (10, 20, 30, 60, 120, 300, 600, 1200, 1800, 3600)
+
+
+def _coarse(seconds: float) -> str:
+    """A duration rounded down to a few marks, so an alert's text changes rarely, not every second."""
+    mark = max([m for m in _MARKS if m <= seconds], default=0)
+    if seconds >= 7200:
+        return f"{int(seconds // 3600)} h"
+    if mark >= 3600:
+        return "1 h"
+    return f"{mark // 60} min" if mark >= 60 else f"{mark} s"
 
 
 def process_gone(stage: str, run_info: Mapping[str, Any] | None, alive: bool | None,
