@@ -212,7 +212,7 @@ def linear_cross_entropy(
         raise ValueError(f"linear_cross_entropy: hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not fit")
     if labels.shape != hidden.shape[:1]:
         raise ValueError(f"linear_cross_entropy: labels {tuple(labels.shape)} for hidden {tuple(hidden.shape)}")
-    labels = labels.to(hidden.device)
+    labels = labels.to(device=hidden.device, dtype=torch.long)
     valid = labels != ignore_index
     n_valid = int(valid.sum())
     if n_valid == 0:  # zero loss still wired to the inputs so backward() works and gives zero grads
@@ -256,18 +256,22 @@ class _ChunkedLinearCE(torch.autograd.Function):
             idx = rows[s : s + chunk]
             h = hidden.index_select(0, idx).float()                # (C, H)
             y = labels.index_select(0, idx)                        # (C,)
-            logits = h @ w.T                                       # (C, V)
-            lse = torch.logsumexp(logits, dim=-1)                  # (C,)
-            loss += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
+            logits = h @ w.T                                       # (C, V): the one big buffer
+            target = logits.gather(1, y[:, None])                  # (C, 1)
+            peak = logits.amax(dim=-1, keepdim=True)               # (C, 1)
+            probs = logits.sub_(peak).exp_()                       # in place, no (C, V) temporaries
+            total = probs.sum(dim=-1, keepdim=True)                # (C, 1)
+            loss += (total.log() + peak - target).sum()            # logsumexp - target logit
             if not (need_gh or need_gw):
+                del logits, probs
                 continue
-            dlogits = logits.sub_(lse[:, None]).exp_()             # softmax, in place: (C, V)
-            dlogits[torch.arange(idx.numel(), device=idx.device), y] -= 1.0
-            dlogits.mul_(1.0 / n_valid)
+            dlogits = probs.mul_(1.0 / (total * n_valid))          # softmax / n_valid
+            dlogits[torch.arange(idx.numel(), device=idx.device), y] -= 1.0 / n_valid
             if need_gh:
                 grad_h.index_copy_(0, idx, (dlogits @ w).to(hidden.dtype))
             if need_gw:
                 grad_w.addmm_(dlogits.T, h)
+            del logits, probs, dlogits     # free this chunk's (C, V) before the next one is allocated
         ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
         ctx.flags = (need_gh, need_gw, weight.dtype)
         return loss / n_valid

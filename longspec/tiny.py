@@ -1,11 +1,11 @@
 """The tiny preset: a synthetic language, a byte-level BPE tokenizer, a briefly pre-trained
 Qwen2- or Llama-family target and the three stages' data, all built locally and offline.
 
-    python -m longspec.tiny build OUT [--family qwen2|llama] [--seed N] [--json] [--force]
+    python -m longspec.tiny build OUT [--family qwen2|llama] [--seed N] [--json] [--force] [--quiet]
 
 writes OUT/target/ (an ordinary Hugging Face model folder: config, safetensors, tokenizer) and
 OUT/data/{base,long,longcot}.jsonl. The tokenizer and target depend only on TINY_VERSION and the
-family, so they are trained once and then copied from a cache ($LONGSPEC_CACHE, else
+family, so they are trained once and then copied from a cache ($LONGSPEC_TINY_CACHE, else
 ~/.cache/longspec/tiny/); `seed` only changes the stage data.
 
 The language is small and regular on purpose, so that a draft can learn it in minutes:
@@ -25,12 +25,19 @@ import tempfile
 import time
 from pathlib import Path
 
-TINY_VERSION = "1"
+TINY_VERSION = "4"  # the cache key: bump it with any change that alters the target's bytes
 FAMILIES = ("qwen2", "llama")
 CONTEXT_LIMIT = 32768
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = (EOS_TOKEN, "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2 (BPE trainer order)
+# Embedding rows; the BPE vocabulary is at most this (about 650 tokens): the spare rows are never
+# targets, like the padded embeddings of Qwen models (151936 rows for 151665 tokens).
 VOCAB_SIZE = 768
+# Qwen2's pre-tokenizer split (single digits, letters runs, punctuation runs). transformers 5
+# loads a `qwen2` folder with Qwen2Tokenizer, which rebuilds the pipeline with this regex and
+# NFC; training with the same pieces keeps AutoTokenizer and tokenizer.json in agreement.
+SPLIT_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+               r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 # Qwen-style ChatML; pad == eos as in the upstream stage configs.
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -38,7 +45,10 @@ CHAT_TEMPLATE = (
 )
 MODEL_SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, intermediate_size=128)
-PRETRAIN = dict(steps=300, batch=8, seq=384, lr=3e-3, warmup=20, seed=1234)
+# Most steps on short windows; every `long_every`-th step on one `long_seq` window, so that
+# the target also knows positions and look-ups well past the short windows.
+PRETRAIN = dict(steps=200, batch=8, seq=256, long_every=5, long_seq=2048, lr=8e-3, warmup=20,
+                seed=1234)
 
 
 def tiny_target_info() -> dict:
@@ -141,13 +151,15 @@ class Lang:
         msgs = [{"role": "system", "content": "you are a helpful assistant ."}] \
             if self.r.random() < 0.5 else []
         for key, value in facts:
-            msgs.append({"role": "user", "content": f"remember : the {key[1]} of {key[0]} is {value} ."})
-            msgs.append({"role": "assistant", "content": f"ok , the {key[1]} of {key[0]} is {value} ."})
+            fact = f"the {key[1]} of {key[0]} is {value} ."
+            msgs.append({"role": "user", "content": f"remember : {fact}"})
+            msgs.append({"role": "assistant", "content": f"ok , {fact}"})
         for _ in range(n_turns):
             kind = self.r.random()
             if kind < 0.4 and facts:
                 key, value = self.r.choice(facts)
-                q, a = f"what is the {key[1]} of {key[0]} ?", f"the {key[1]} of {key[0]} is {value} ."
+                q = f"what is the {key[1]} of {key[0]} ?"
+                a = f"the {key[1]} of {key[0]} is {value} ."
             elif kind < 0.7:
                 a0, n = self.r.randrange(0, 150), self.r.randrange(4, 12)
                 q = f"count from {a0} to {a0 + n - 1} ."
@@ -170,7 +182,7 @@ class Lang:
 
     def lookup_cot(self, n_facts: int) -> tuple[str, str]:
         facts = list(self.facts(n_facts).items())
-        key, value = self.r.choice(facts)
+        key, value = self.r.choice(facts[len(facts) // 2:])  # a long search before the hit
         prompt = " ".join(self.fact(k, v) for k, v in facts) + \
             f" question : what is the {key[1]} of {key[0]} ?"
         steps = [f"i need the {key[1]} of {key[0]} . let me go through the facts ."]
@@ -237,10 +249,25 @@ def render_chat(messages: list[dict], generation_prompt: bool = False) -> str:
     return s + ("<|im_start|>assistant\n" if generation_prompt else "")
 
 
-def pretrain_corpus(rng: random.Random, n_docs: int) -> list[str]:
+def record_text(rec: dict) -> str:
+    """Any stage record as one document (chats in CHAT_TEMPLATE form)."""
+    if "text" in rec:
+        return rec["text"]
+    if "article" in rec:
+        msgs = [{"role": "user", "content": rec["article"]},
+                {"role": "assistant", "content": rec["abstract"]}]
+    elif "conversation" in rec or "messages" in rec:
+        msgs = rec.get("conversation") or rec["messages"]
+    else:
+        msgs = [{"role": "user", "content": rec.get("problem") or rec["prompt"]},
+                {"role": "assistant", "content": rec.get("qwq") or rec["response"]}]
+    return render_chat(msgs)
+
+
+def pretrain_corpus(rng: random.Random, n_short: int, n_long: int) -> list[str]:
     """Documents of every kind the stages use, as the target sees them (chats rendered)."""
     lang, docs = Lang(rng), []
-    for i in range(n_docs):
+    for i in range(n_short):
         k = i % 10
         if k < 5:
             docs.append(lang.paragraph(rng.randrange(6, 14), rng.randrange(0, 5)))
@@ -249,13 +276,13 @@ def pretrain_corpus(rng: random.Random, n_docs: int) -> list[str]:
         elif k in (6, 7):
             docs.append(render_chat(lang.chat(rng.randrange(2, 6))))
         elif k == 8:
-            p, a = lang.sum_cot(rng.randrange(5, 25))
-            docs.append(render_chat([{"role": "user", "content": p},
-                                     {"role": "assistant", "content": a}]))
+            docs.append(record_text(dict(zip(("problem", "qwq"),
+                                             lang.sum_cot(rng.randrange(5, 25))))))
         else:
-            p, a = lang.lookup_cot(rng.randrange(4, 15))
-            docs.append(render_chat([{"role": "user", "content": p},
-                                     {"role": "assistant", "content": a}]))
+            docs.append(record_text(dict(zip(("prompt", "response"),
+                                             lang.lookup_cot(rng.randrange(4, 15))))))
+    docs += [record_text(r) for r in long_records(rng, n_long)]
+    docs += [record_text(r) for r in longcot_records(rng, n_long // 2)]
     return docs
 
 
@@ -263,16 +290,20 @@ def pretrain_corpus(rng: random.Random, n_docs: int) -> list[str]:
 
 def train_tokenizer(corpus: list[str], out_dir: Path):
     """Byte-level BPE over the corpus, saved as a PreTrainedTokenizerFast folder."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLIT_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   min_frequency=2, show_progress=False)
     tok.train_from_iterator(corpus, trainer=trainer)
+    assert tok.get_vocab_size() <= VOCAB_SIZE
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN,
         additional_special_tokens=list(SPECIAL_TOKENS[1:]), chat_template=CHAT_TEMPLATE,
@@ -312,13 +343,14 @@ def pretrain_target(family: str, tokenizer, docs: list[str], log=None):
 
     p = PRETRAIN
     stream = token_stream(tokenizer, docs)  # (N,)
-    n_win = (len(stream) - 1) // p["seq"]
-    windows = stream[: n_win * p["seq"]].view(n_win, p["seq"])  # (W, T)
+    windows = {seq: stream[: (len(stream) // seq) * seq].view(-1, seq)  # (W, T)
+               for seq in (p["seq"], p["long_seq"])}
     threads = torch.get_num_threads()
+    rng_state = torch.random.get_rng_state()  # restored below: leave the caller's RNG alone
     torch.set_num_threads(1)  # one thread: the same float sums on every run
     try:
         torch.manual_seed(p["seed"])
-        config = make_config(family, len(tokenizer), tokenizer.eos_token_id)
+        config = make_config(family, VOCAB_SIZE, tokenizer.eos_token_id)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=p["lr"], betas=(0.9, 0.95),
@@ -327,7 +359,10 @@ def pretrain_target(family: str, tokenizer, docs: list[str], log=None):
                                                   * max(0.05, 1 - s / p["steps"]))
         gen = torch.Generator().manual_seed(p["seed"])
         for step in range(p["steps"]):
-            batch = windows[torch.randint(0, n_win, (p["batch"],), generator=gen)]  # (B, T)
+            long = p["long_every"] and step % p["long_every"] == p["long_every"] - 1
+            pool = windows[p["long_seq"] if long else p["seq"]]
+            pick = torch.randint(0, len(pool), (1 if long else p["batch"],), generator=gen)
+            batch = pool[pick]  # (B, T)
             loss = model(input_ids=batch, labels=batch).loss
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -338,6 +373,7 @@ def pretrain_target(family: str, tokenizer, docs: list[str], log=None):
                 log(f"step {step} loss {loss.item():.3f}")
     finally:
         torch.set_num_threads(threads)
+        torch.random.set_rng_state(rng_state)
     model.eval()
     return model
 
@@ -351,3 +387,157 @@ def eval_loss(model, tokenizer, docs: list[str], seq: int = 512) -> float:
     with torch.no_grad():
         losses = [model(input_ids=w[None], labels=w[None]).loss.item() for w in windows]
     return sum(losses) / len(losses)
+
+
+# --------------------------------------------------------------------------- build + cache
+
+class TinyBuildError(RuntimeError):
+    """A tiny build that cannot go ahead (bad family, output already there)."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LONGSPEC_TINY_CACHE") or Path.home() / ".cache" / "longspec" / "tiny")
+
+
+TARGET_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                "tiny.json")
+
+
+def _complete(folder: Path) -> bool:
+    return all((folder / f).is_file() for f in TARGET_FILES)
+
+
+def build_target(family: str, dest: Path, log=None) -> dict:
+    """Train tokenizer + target from scratch into `dest` (which must not exist yet)."""
+    import torch
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    corpus = pretrain_corpus(random.Random(1), n_short=3000, n_long=30)
+    heldout = [r["text"] for r in base_records(random.Random(99), 100)]
+    tokenizer = train_tokenizer(corpus, dest)
+    if log:
+        log(f"pre-training the {family} target once (about half a minute; then cached)")
+    t0 = time.time()
+    model = pretrain_target(family, tokenizer, corpus, log=log)
+    if log:
+        log(f"{family} target trained in {time.time() - t0:.1f} s")
+    model.save_pretrained(dest, safe_serialization=True)
+    heldout_loss = eval_loss(model, tokenizer, heldout)
+    info = {"version": TINY_VERSION, "family": family, "pretrain": PRETRAIN,
+            "tokenizer_size": len(tokenizer), "heldout_loss": round(heldout_loss, 4),
+            "torch": torch.__version__}
+    (dest / "tiny.json").write_text(json.dumps(info, indent=2) + "\n")
+    for f in dest.iterdir():
+        f.chmod(0o644)  # safetensors writes 0600; the cache is shared by every project
+    return info
+
+
+def cached_target(family: str, log=None) -> tuple[Path, bool]:
+    """The cache entry for `family`, built under a lock if missing; (path, was_cached)."""
+    from filelock import FileLock
+    if family not in FAMILIES:
+        raise TinyBuildError(f"unknown tiny family {family!r}; choose one of {', '.join(FAMILIES)}")
+    root = cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    entry = root / f"v{TINY_VERSION}-{family}"
+    with FileLock(str(entry) + ".lock"):
+        if _complete(entry):
+            return entry, True
+        if entry.exists():  # hand-damaged: rebuild
+            shutil.rmtree(entry)
+        for stale in root.glob(f".{entry.name}-*"):  # left by a killed build (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = _mkdtemp(root, f".{entry.name}-")
+        try:
+            build_target(family, tmp, log=log)
+            os.rename(tmp, entry)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return entry, False
+
+
+def _mkdtemp(parent: Path, prefix: str) -> Path:
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    tmp.chmod(0o755)  # mkdtemp makes 0700; the result is an ordinary shared folder
+    return tmp
+
+
+def _write_jsonl(path: Path, records: list[dict]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_data(data_dir: Path, seed: int) -> dict[str, str]:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for stage, (make, n) in STAGE_DATA.items():
+        rng = random.Random(f"longspec-tiny-{stage}-{seed}")
+        path = data_dir / f"{stage}.jsonl"
+        _write_jsonl(path, make(rng, n))
+        paths[stage] = str(path.resolve())
+    return paths
+
+
+def build_tiny(out_dir, family: str = "qwen2", seed: int = 0, force: bool = False,
+               log=None) -> dict:
+    """OUT/target/ (model + tokenizer) and OUT/data/{base,long,longcot}.jsonl.
+
+    Returns {"target": path, "data": {stage: path}, "family", "seed", "cached", "seconds"}.
+    """
+    t0 = time.time()
+    out = Path(out_dir)
+    target = out / "target"
+    data_files = [out / "data" / f"{s}.jsonl" for s in STAGE_DATA]
+    existing = [p for p in [target, *data_files] if p.exists()]
+    if existing and not force:
+        raise TinyBuildError(f"{existing[0]} already exists; pass --force to replace the "
+                             "tiny build")
+    entry, cached = cached_target(family, log=log)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = _mkdtemp(out, ".target-")
+    try:
+        shutil.copytree(entry, tmp, dirs_exist_ok=True)
+        if target.exists():
+            shutil.rmtree(target)
+        os.rename(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    data = write_data(out / "data", seed)
+    return {"target": str(target.resolve()), "data": data, "family": family, "seed": seed,
+            "cached": cached, "seconds": round(time.time() - t0, 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m longspec.tiny",
+                                 description="Build the tiny preset: target, tokenizer, data.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="write OUT/target/ and OUT/data/*.jsonl")
+    b.add_argument("out", help="output folder")
+    b.add_argument("--family", choices=FAMILIES, default="qwen2")
+    b.add_argument("--seed", type=int, default=0, help="seed of the stage data")
+    b.add_argument("--json", action="store_true", help="print the paths as one JSON object")
+    b.add_argument("--force", action="store_true", help="replace an earlier tiny build in OUT")
+    b.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    args = ap.parse_args(argv)
+    log = None if args.quiet else (lambda m: print(f"[tiny] {m}", file=sys.stderr, flush=True))
+    try:
+        res = build_tiny(args.out, family=args.family, seed=args.seed, force=args.force, log=log)
+    except (TinyBuildError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(f"target  {res['target']}")
+        for stage, path in res["data"].items():
+            print(f"{stage:8}{path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

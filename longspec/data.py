@@ -1,0 +1,389 @@
+"""Training data: JSON/JSONL readers, one encoder ("collator") per stage, padding, loaders.
+
+A sample is {"input_ids": (T,) long, "labels": (T,) long}; labels[t] is input_ids[t] where the
+token is trained and -100 where it is not (unshifted, Hugging Face style: the loss shifts).
+
+Collators (the `data.collator` key):
+  short_text  stage 1: `text` (or upstream's `target`); every token trained.
+  long_data   stage 2: upstream `source` kinds (code/book -> `text`, arxiv -> `article` +
+              `abstract`, tulu-v2 -> `conversation`) and plain `messages` chats; chats go
+              through the tokenizer's chat template; every token trained ("no-mask").
+  long_cot    stage 3: `problem` + `qwq` (QwQ-LongCoT) or `prompt` + `response`; the prompt is
+              a user turn through the chat template and is not trained, the answer is.
+Every sample ends with EOS (cut off by truncation); EOS is a label only with train_eos=True
+(upstream drops it by accident, since its pad id is the EOS id).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import random
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+IGNORE = -100
+COLLATORS = ("short_text", "long_data", "long_cot")
+BAD_RECORD_MODES = ("error", "skip")
+_KEEP_PROBLEMS = 20  # skipped-record messages kept for the log
+
+
+class DataError(ValueError):
+    """Training data that cannot be used; the message names the file (and line)."""
+
+
+class RecordError(ValueError):
+    """One record that does not fit its collator (becomes DataError("file:line: ...") or a skip)."""
+
+
+# --------------------------------------------------------------------------- reading
+
+def read_records(path, on_bad_record: str = "error",
+                 skipped: list[str] | None = None) -> Iterator[tuple[int, dict]]:
+    """Yield (line_no, record) from a JSONL file or a JSON array file.
+
+    A line that is not valid JSON or not an object raises DataError("<file>:<line>: ...") or,
+    with on_bad_record="skip", is left out and its message appended to `skipped`. A file with no
+    usable record raises DataError whatever the mode.
+    """
+    if on_bad_record not in BAD_RECORD_MODES:
+        raise ValueError(f"on_bad_record must be one of {BAD_RECORD_MODES}, not {on_bad_record!r}")
+    path = Path(path)
+
+    def bad(line: int, msg: str) -> None:
+        full = f"{path}:{line}: {msg}"
+        if on_bad_record == "error":
+            raise DataError(full)
+        if skipped is not None:
+            skipped.append(full)
+
+    n = 0
+    try:
+        with open(path, encoding="utf-8-sig") as f:  # -sig: a leading BOM is not an error
+            first = f.read(4096).lstrip()
+            f.seek(0)
+            items = _array_items(path, f.read()) if first.startswith("[") else _jsonl_items(f)
+            for line, obj, err in items:
+                if err is not None:
+                    bad(line, err)
+                elif not isinstance(obj, dict):
+                    bad(line, f"record is a JSON {type(obj).__name__}, not an object")
+                else:
+                    n += 1
+                    yield line, obj
+    except FileNotFoundError:
+        raise DataError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise DataError(f"{path}: is a folder, not a JSON/JSONL file") from None
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text ({e.reason})") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
+    if n == 0:
+        bad_count = f" ({len(skipped)} bad)" if skipped else ""
+        raise DataError(f"{path}: no usable records{bad_count}")
+
+
+def _jsonl_items(lines):
+    """Stream a JSONL file: (line_no, object or None, error or None)."""
+    for line_no, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            yield line_no, json.loads(line), None
+        except json.JSONDecodeError as e:
+            yield line_no, None, f"invalid JSON ({e.msg}, column {e.colno})"
+
+
+def _array_items(path: Path, text: str):
+    """Elements of a top-level JSON array with the line each starts on."""
+    dec, ws = json.JSONDecoder(), " \t\r\n"
+    i = text.index("[") + 1
+
+    def skip_ws(i: int) -> int:
+        while i < len(text) and text[i] in ws:
+            i += 1
+        return i
+
+    seen = [0, 1]  # (offset, line there): offsets only grow, so counting stays linear
+
+    def line_of(i: int) -> int:
+        if i >= seen[0]:
+            seen[:] = [i, seen[1] + text.count("\n", seen[0], i)]
+            return seen[1]
+        return text.count("\n", 0, i) + 1
+
+    i = skip_ws(i)
+    if i < len(text) and text[i] == "]":
+        return
+    while True:
+        try:
+            obj, end = dec.raw_decode(text, i)
+        except json.JSONDecodeError as e:  # no way to resynchronise inside an array
+            raise DataError(f"{path}:{line_of(e.pos)}: invalid JSON ({e.msg})") from None
+        yield line_of(i), obj, None
+        i = skip_ws(end)
+        if i < len(text) and text[i] == "]":
+            if text[skip_ws(i + 1):].strip():
+                raise DataError(f"{path}:{line_of(i + 1)}: text after the closing ']'")
+            return
+        if i >= len(text) or text[i] != ",":
+            raise DataError(f"{path}:{line_of(i)}: expected ',' or ']' in the JSON array")
+        i = skip_ws(i + 1)
+
+
+# --------------------------------------------------------------------------- fields
+
+def _field(rec: dict, name: str, kinds=(str,), what: str = "a string"):
+    if name not in rec:
+        raise RecordError(f"missing field '{name}'")
+    value = rec[name]
+    if not isinstance(value, kinds):
+        raise RecordError(f"field '{name}' must be {what}, not {type(value).__name__}")
+    return value
+
+
+_ROLE_ALIASES = {"human": "user", "gpt": "assistant", "model": "assistant"}
+
+
+def _messages(rec: dict, name: str) -> list[dict]:
+    turns = _field(rec, name, (list,), "a list of turns")
+    out = []
+    for i, t in enumerate(turns):
+        if isinstance(t, dict) and "from" in t and "value" in t:  # ShareGPT spelling
+            t = {"role": t["from"], "content": t["value"]}
+        if not (isinstance(t, dict) and isinstance(t.get("role"), str)
+                and isinstance(t.get("content"), str)):
+            raise RecordError(f"field '{name}' turn {i}: needs string 'role' and 'content'")
+        out.append({"role": _ROLE_ALIASES.get(t["role"], t["role"]), "content": t["content"]})
+    if not out:
+        raise RecordError(f"field '{name}' is an empty conversation")
+    return out
+
+
+def _render_chat(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            return tokenizer.apply_chat_template(messages, tokenize=False,
+                                                 add_generation_prompt=generation_prompt)
+        except Exception as e:  # jinja raises its own errors (e.g. role order)
+            raise RecordError(f"chat template failed: {e}") from None
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+    return text + ("assistant: " if generation_prompt else "")
+
+
+# --------------------------------------------------------------------------- encoders
+# Each returns (pieces, plain): pieces are (text, trained) in order; plain text documents get
+# the tokenizer's own special tokens (a BOS for Llama), chat renders carry theirs already.
+
+def _short_text(rec: dict, tokenizer):
+    name = "text" if "text" in rec or "target" not in rec else "target"
+    return [(_field(rec, name), True)], True
+
+
+LONG_SOURCES = ("code", "book", "arxiv", "tulu-v2")
+
+
+def _long_data(rec: dict, tokenizer):
+    source = rec.get("source")
+    if source in ("code", "book") or (source not in LONG_SOURCES and "text" in rec):
+        return [(_field(rec, "text"), True)], True
+    if source == "arxiv" or (source is None and "article" in rec):
+        article = _field(rec, "article", (str, list), "a string or a list of strings")
+        abstract = _field(rec, "abstract", (str, list), "a string or a list of strings")
+        articles = [article] if isinstance(article, str) else article
+        abstracts = [abstract] if isinstance(abstract, str) else abstract
+        if len(articles) != len(abstracts) or not articles or not all(
+                isinstance(x, str) for x in articles + abstracts):
+            raise RecordError("fields 'article' and 'abstract' must be strings or equal-length "
+                              "lists of strings")
+        msgs = []
+        for art, abs_ in zip(articles, abstracts):
+            msgs += [{"role": "user", "content": f"Summarize this article.\n\n{art}"},
+                     {"role": "assistant", "content": abs_}]
+        return [(_render_chat(tokenizer, msgs), True)], False
+    if source == "tulu-v2" or (source is None and ("conversation" in rec or "messages" in rec)):
+        name = "conversation" if "conversation" in rec or "messages" not in rec else "messages"
+        return [(_render_chat(tokenizer, _messages(rec, name)), True)], False
+    if source is None:
+        raise RecordError("missing field 'source' (or one of 'text', 'article', 'conversation', "
+                          "'messages')")
+    raise RecordError(f"unknown source {source!r} without a 'text' field; known sources: "
+                      f"{', '.join(LONG_SOURCES)}")
+
+
+def _long_cot(rec: dict, tokenizer):
+    if "problem" in rec or "qwq" in rec:
+        prompt, answer = _field(rec, "problem"), _field(rec, "qwq")
+    elif "prompt" in rec or "response" in rec:
+        prompt, answer = _field(rec, "prompt"), _field(rec, "response")
+    else:
+        raise RecordError("missing fields: needs 'problem' + 'qwq' or 'prompt' + 'response'")
+    user = [{"role": "user", "content": prompt}]
+    head = _render_chat(tokenizer, user, generation_prompt=True)
+    full = _render_chat(tokenizer, user + [{"role": "assistant", "content": answer}])
+    # The answer part is what the template adds after the generation prompt (the turn end
+    # included); a template that rewrites the answer (drops reasoning) falls back to the raw text.
+    tail = full[len(head):] if full.startswith(head) and answer in full[len(head):] else answer
+    return [(head, False), (tail, True)], False
+
+
+ENCODERS = {"short_text": _short_text, "long_data": _long_data, "long_cot": _long_cot}
+
+
+def encode_record(rec: dict, tokenizer, collator: str, max_seq_length: int,
+                  train_eos: bool = False) -> tuple[list[int], list[bool]]:
+    """Token ids and their trained flags for one record (RecordError if it does not fit)."""
+    pieces, plain = ENCODERS[collator](rec, tokenizer)
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    trained: list[bool] = []
+    for i, (text, tr) in enumerate(pieces):
+        toks = tokenizer(text, add_special_tokens=plain and i == 0)["input_ids"]
+        if not tr and len(pieces) > 1:
+            toks = _cap_prompt(toks, max_seq_length)
+        ids += toks
+        trained += [tr] * len(toks)
+    if eos is not None and (not ids or ids[-1] != eos):
+        ids.append(eos)
+        trained.append(True)
+    if eos is not None:
+        trained = [t and (train_eos or tok != eos) for tok, t in zip(ids, trained)]
+    ids, trained = ids[:max_seq_length], trained[:max_seq_length]
+    if not any(trained):
+        raise RecordError(f"no trained tokens within max_seq_length={max_seq_length}")
+    return ids, trained
+
+
+def _cap_prompt(toks: list[int], max_seq_length: int) -> list[int]:
+    """Keep room for the answer: a prompt longer than the cap keeps its head and its tail
+    (the tail holds the assistant header the answer follows)."""
+    cap = max_seq_length - min(1024, max_seq_length // 2)
+    if len(toks) <= cap:
+        return toks
+    tail = min(cap // 2, 64)
+    return toks[: cap - tail] + toks[len(toks) - tail:]
+
+
+# --------------------------------------------------------------------------- dataset
+
+class TokenDataset(Dataset):
+    """Pre-tokenized samples; `skipped` bad records, `problems` their first messages."""
+
+    def __init__(self, samples: list[tuple[torch.Tensor, torch.Tensor]], skipped: int,
+                 problems: list[str], path: Path):
+        self.samples = samples  # [(ids (T,) int32, trained (T,) bool)]
+        self.skipped = skipped
+        self.problems = problems
+        self.path = path
+        self.num_tokens = sum(len(ids) for ids, _ in samples)
+        self.num_label_tokens = sum(int(m.sum()) for _, m in samples)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids, trained = self.samples[i]
+        ids = ids.long()
+        return {"input_ids": ids, "labels": torch.where(trained, ids, IGNORE)}
+
+
+def build_dataset(path, tokenizer, collator: str, max_seq_length: int,
+                  on_bad_record: str = "error", train_eos: bool = False) -> TokenDataset:
+    """Read and tokenize a whole JSON/JSONL file for one stage's collator."""
+    if collator not in ENCODERS:
+        raise DataError(f"unknown collator {collator!r}; choose one of {', '.join(COLLATORS)}")
+    if on_bad_record not in BAD_RECORD_MODES:
+        raise DataError(f"on_bad_record must be one of {', '.join(BAD_RECORD_MODES)}, "
+                        f"not {on_bad_record!r}")
+    if not isinstance(max_seq_length, int) or max_seq_length < 1:
+        raise DataError(f"max_seq_length must be a positive integer, not {max_seq_length!r}")
+    path = Path(path)
+    problems: list[str] = []
+    samples = []
+    for line, rec in read_records(path, on_bad_record, problems):
+        try:
+            ids, trained = encode_record(rec, tokenizer, collator, max_seq_length, train_eos)
+        except RecordError as e:
+            msg = f"{path}:{line}: {e} (collator {collator})"
+            if on_bad_record == "error":
+                raise DataError(msg) from None
+            problems.append(msg)
+            continue
+        samples.append((torch.tensor(ids, dtype=torch.int32), torch.tensor(trained)))
+    if not samples:
+        raise DataError(f"{path}: no usable records for collator {collator} "
+                        f"({len(problems)} bad)" + (f"; first: {problems[0]}" if problems else ""))
+    return TokenDataset(samples, len(problems), problems[:_KEEP_PROBLEMS], path)
+
+
+# --------------------------------------------------------------------------- batching
+
+def collate(batch: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest sample: input_ids, labels (-100 on pad), attention_mask (B, T)."""
+    width = max(len(s["input_ids"]) for s in batch)
+    input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)  # (B, T)
+    labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)  # (B, T)
+    attention_mask = torch.zeros((len(batch), width), dtype=torch.long)  # (B, T)
+    for b, s in enumerate(batch):
+        n = len(s["input_ids"])
+        input_ids[b, :n] = s["input_ids"]
+        labels[b, :n] = s["labels"]
+        attention_mask[b, :n] = 1
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+
+
+class ShardedBatchSampler(Sampler):
+    """This rank's batches of one epoch: a seeded shuffle of all indices (the same on every
+    rank), padded by wrap-around to a multiple of world_size, dealt round-robin, then batched.
+
+    Each full pass moves to the next epoch; `set_epoch(e, skip_batches=n)` jumps (resume).
+    `len()` is the full epoch's batch count, skipped batches included.
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, seed: int, rank: int = 0,
+                 world_size: int = 1, epoch: int = 0, skip_batches: int = 0):
+        if num_samples < 1:
+            raise ValueError("no samples to batch")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, not {batch_size}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not within world_size {world_size}")
+        self.n, self.batch_size, self.seed = num_samples, batch_size, seed
+        self.rank, self.world_size = rank, world_size
+        self.set_epoch(epoch, skip_batches)
+
+    def set_epoch(self, epoch: int, skip_batches: int = 0) -> None:
+        if skip_batches < 0:
+            raise ValueError(f"skip_batches must be >= 0, not {skip_batches}")
+        self.epoch, self.skip_batches = epoch, skip_batches
+
+    def epoch_indices(self, epoch: int) -> list[int]:
+        order = list(range(self.n))
+        random.Random(f"longspec-data-{self.seed}-{epoch}").shuffle(order)
+        total = math.ceil(self.n / self.world_size) * self.world_size
+        order = [order[i % self.n] for i in range(total)]
+        return order[self.rank::self.world_size]
+
+    def __len__(self) -> int:
+        return math.ceil(math.ceil(self.n / self.world_size) / self.batch_size)
+
+    def __iter__(self):
+        mine, skip = self.epoch_indices(self.epoch), self.skip_batches
+        self.skip_batches = 0
+        for start in range(skip * self.batch_size, len(mine), self.batch_size):
+            yield mine[start:start + self.batch_size]
+        self.epoch += 1
+
+
+def make_loader(dataset: Dataset, batch_size: int, seed: int, rank: int, world_size: int,
+                pad_token_id: int, skip_batches: int = 0, epoch: int = 0) -> DataLoader:
+    """A DataLoader over this rank's shard; `loader.batch_sampler.set_epoch(...)` to steer."""
+    sampler = ShardedBatchSampler(len(dataset), batch_size, seed, rank, world_size, epoch,
+                                  skip_batches)
+    return DataLoader(dataset, batch_sampler=sampler, num_workers=0,
+                      collate_fn=functools.partial(collate, pad_token_id=pad_token_id))

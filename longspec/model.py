@@ -1,0 +1,434 @@
+"""GLIDE draft (one decoder block that cross-attends to the frozen target) and its training model.
+
+Shapes: B batch, T tokens, H hidden, nh query heads, kvh key/value heads, hd head dim, V vocab.
+
+    target (frozen, no_grad) --input_ids--> last-layer post-RoPE K, V  (B, kvh, T, hd)
+                                            final-norm hidden          (B, T, H) -> llm_loss
+    embed(input_ids) -> GlideDraft(self-attn in a window, cross-attn onto K/V, MLP) -> (B, T, H)
+                     -> frozen lm_head -> next-token CE (fp32, chunked/fused) = loss
+
+The draft's state-dict keys follow the LongSpec reference layer (`self_attn.*`, `cross_attn.*`,
+`mlp.*`, three norms), so a draft trained here loads there and the other way round.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from longspec import kernels
+
+FAMILIES = ("qwen2", "llama")
+
+
+# ----------------------------------------------------------------------------- config
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_type: str = "default"          # anything else needs rope=(cos, sin) from the target
+    max_position_embeddings: int = 4096
+    attention_bias: bool = True         # the reference draft has q/k/v biases in both families
+    family: str = "qwen2"
+    sliding_window: int = 512
+    initializer_range: float = 0.02
+
+    @classmethod
+    def from_target_config(cls, hf_config: Any, sliding_window: int = 512,
+                           attention_bias: bool | None = None) -> "DraftConfig":
+        """Read a transformers config (Qwen2 / Llama, transformers 4.x or 5.x).
+
+        ``attention_bias``: None keeps the reference draft layout (q/k/v biases for both
+        families; the reference builds its draft attention with bias=True even for Llama).
+        """
+        family = getattr(hf_config, "model_type", None)
+        if family not in FAMILIES:
+            raise ValueError(f"unsupported target family {family!r}; longspec drafts support {', '.join(FAMILIES)}")
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r} (the GLIDE draft MLP is SwiGLU)")
+        if sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 (got {sliding_window})")
+        nh = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // nh
+        theta, rope_type = _rope_params(hf_config)
+        return cls(
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_attention_heads=nh,
+            num_key_value_heads=getattr(hf_config, "num_key_value_heads", None) or nh,
+            head_dim=head_dim,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            rope_theta=theta,
+            rope_type=rope_type,
+            max_position_embeddings=hf_config.max_position_embeddings,
+            attention_bias=True if attention_bias is None else attention_bias,
+            family=family,
+            sliding_window=sliding_window,
+            initializer_range=getattr(hf_config, "initializer_range", 0.02),
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _rope_params(hf_config: Any) -> tuple[float, str]:
+    """(rope_theta, rope_type): transformers 5 keeps them in rope_parameters, 4.x on the config."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"]), str(params.get("rope_type", "default"))
+    scaling = getattr(hf_config, "rope_scaling", None) or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    return float(getattr(hf_config, "rope_theta", 10000.0)), str(rope_type)
+
+
+# ----------------------------------------------------------------------------- draft block
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, heads, T, hd); cos/sin (B, T, hd)."""
+    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+class GlideAttention(nn.Module):
+    """Projections of one draft attention. In ``cross_attn`` the keys and values come from the
+    target, so k_proj / v_proj are unused; they are kept (frozen) because reference drafts carry them."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.nh, self.kvh, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        H, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(H, self.nh * self.hd, bias=bias)
+        self.k_proj = nn.Linear(H, self.kvh * self.hd, bias=bias)
+        self.v_proj = nn.Linear(H, self.kvh * self.hd, bias=bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, H, bias=False)
+
+    def heads(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        return proj(x).view(B, T, -1, self.hd).transpose(1, 2)       # (B, heads, T, hd)
+
+    def out(self, y: torch.Tensor) -> torch.Tensor:
+        B, _, T, _ = y.shape                                         # (B, nh, T, hd)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))  # (B, T, H)
+
+
+class GlideMLP(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GlideDraft(nn.Module):
+    """One pre-norm decoder block: windowed self-attn, cross-attn onto the target's K/V, SwiGLU MLP.
+    No final norm: the output goes straight into the target's lm_head."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        if cfg.num_attention_heads % cfg.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        self.config = cfg
+        self.self_attn = GlideAttention(cfg)
+        self.cross_attn = GlideAttention(cfg)
+        self.mlp = GlideMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_self_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_cross_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)   # not a state-dict key
+        self.reset_parameters()
+        for p in (self.cross_attn.k_proj.parameters(), self.cross_attn.v_proj.parameters()):
+            for t in p:
+                t.requires_grad_(False)
+
+    def reset_parameters(self) -> None:
+        std = self.config.initializer_range
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, mean=0.0, std=std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    def rotary(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Plain RoPE tables (B, T, hd) at ``position_ids`` (only for rope_type 'default')."""
+        if self.config.rope_type != "default":
+            raise ValueError(f"rope_type {self.config.rope_type!r}: pass rope=(cos, sin) from the target's rotary embedding")
+        freqs = position_ids[..., None].float() * self.inv_freq.float().to(position_ids.device)  # (B, T, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)                      # (B, T, hd)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,              # (B, T, H) target embeddings of the input ids
+        position_ids: torch.Tensor,        # (B, T) the same ids the target ran with
+        target_k: torch.Tensor,            # (B, kvh, S, hd) target last layer, post-RoPE
+        target_v: torch.Tensor,            # (B, kvh, S, hd)
+        cross_lag: int = 0,
+        attention_mask: torch.Tensor | None = None,   # (B, T) 1 = real token
+        *,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        cfg = self.config
+        cos, sin = rope if rope is not None else self.rotary(position_ids, hidden.dtype)
+
+        # self-attention in a sliding window
+        x = self.input_layernorm(hidden)
+        sa = self.self_attn
+        q = apply_rope(sa.heads(sa.q_proj, x), cos, sin)            # (B, nh, T, hd)
+        k = apply_rope(sa.heads(sa.k_proj, x), cos, sin)            # (B, kvh, T, hd)
+        v = sa.heads(sa.v_proj, x)                                   # (B, kvh, T, hd)
+        y = kernels.attention(q, k, v, causal=True, window=cfg.sliding_window, key_padding_mask=attention_mask)
+        hidden = hidden + sa.out(y)
+
+        # cross-attention: queries from the draft, keys/values from the target (already RoPE'd)
+        x = self.post_self_attention_layernorm(hidden)
+        ca = self.cross_attn
+        q = apply_rope(ca.heads(ca.q_proj, x), cos, sin)            # (B, nh, T, hd)
+        y = kernels.attention(q, target_k, target_v, causal=True, lag=cross_lag, key_padding_mask=attention_mask)
+        hidden = hidden + ca.out(y)
+
+        # SwiGLU MLP
+        x = self.post_cross_attention_layernorm(hidden)
+        return hidden + self.mlp(x)                                  # (B, T, H)
+
+
+# ----------------------------------------------------------------------------- frozen target
+
+@dataclass
+class TargetOutput:
+    k: torch.Tensor                      # (B, kvh, T, hd) last layer, post-RoPE
+    v: torch.Tensor                      # (B, kvh, T, hd)
+    last_hidden: torch.Tensor            # (B, T, H) after the final norm
+    llm_loss: torch.Tensor | None        # the target's own next-token loss (fp32) or None
+
+
+def _last_layer_cache_cls():
+    from transformers import DynamicCache
+
+    class LastLayerCache(DynamicCache):
+        """A DynamicCache that stores only one layer: the other layers get their own K/V back
+        unchanged (what an empty cache returns on a prefill) and nothing is kept for them."""
+
+        def __init__(self, keep_layer: int):
+            super().__init__()
+            self.keep_layer = keep_layer
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            if layer_idx != self.keep_layer:
+                return key_states, value_states
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+        def kept(self) -> tuple[torch.Tensor, torch.Tensor]:
+            if hasattr(self, "layers"):                          # transformers 5
+                layer = self.layers[self.keep_layer]
+                return layer.keys, layer.values
+            return self.key_cache[self.keep_layer], self.value_cache[self.keep_layer]
+
+    return LastLayerCache
+
+
+@contextlib.contextmanager
+def gathered(param: nn.Parameter) -> Iterator[torch.Tensor]:
+    """The full parameter, also when DeepSpeed ZeRO-3 has partitioned it (read-only gather)."""
+    if hasattr(param, "ds_id"):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+            yield param
+    else:
+        yield param
+
+
+class TargetWrapper(nn.Module):
+    """A frozen transformers causal LM (Qwen2 / Llama) that hands out what the draft needs."""
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.model = hf_model
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.model.eval()
+        self._cache_kw = "cache" if "cache" in _forward_params(self.base) else "past_key_values"
+
+    def train(self, mode: bool = True) -> "TargetWrapper":
+        return super().train(False)      # frozen: never dropout, whatever the parent does
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def base(self) -> nn.Module:
+        return getattr(self.model, self.model.base_model_prefix)
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @torch.no_grad()
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(B, T) -> (B, T, H). Calls the embedding module so ZeRO-3 hooks gather its weight."""
+        return self.model.get_input_embeddings()(input_ids)
+
+    @torch.no_grad()
+    def rotary(self, position_ids: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's own RoPE tables (B, T, hd), including any rope scaling."""
+        return self.base.rotary_emb(like, position_ids)
+
+    @torch.no_grad()
+    def forward(self, input_ids, position_ids, attention_mask=None, labels=None) -> TargetOutput:
+        cache = _last_layer_cache_cls()(keep_layer=self.num_layers - 1)
+        out = self.base(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            use_cache=True,
+            **{self._cache_kw: cache},
+        )
+        k, v = cache.kept()                                          # (B, kvh, T, hd)
+        T = input_ids.shape[1]
+        if k is None or k.shape[-2] != T:
+            raise RuntimeError(f"target cache holds {None if k is None else k.shape[-2]} positions, expected {T}")
+        last_hidden = out.last_hidden_state                          # (B, T, H)
+        llm_loss = None
+        if labels is not None:
+            with gathered(self.lm_head.weight) as w:
+                llm_loss = next_token_loss(last_hidden, w, labels, attention_mask)
+        return TargetOutput(k=k, v=v, last_hidden=last_hidden, llm_loss=llm_loss)
+
+
+def _forward_params(module: nn.Module) -> set[str]:
+    import inspect
+
+    try:
+        return set(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def next_token_loss(hidden, weight, labels, attention_mask=None, chunk_size=None) -> torch.Tensor:
+    """Mean CE of hidden[:, t] predicting labels[:, t+1] (fp32, ignore_index -100, no (N, V) logits)."""
+    B, T, H = hidden.shape
+    if attention_mask is not None:
+        labels = labels.masked_fill(attention_mask.to(labels.device) == 0, -100)
+    h = hidden[:, :-1].reshape(-1, H).float()                       # (B*(T-1), H)
+    y = labels[:, 1:].reshape(-1)                                    # (B*(T-1),)
+    return kernels.linear_cross_entropy(h, weight, y, ignore_index=-100, chunk_size=chunk_size)
+
+
+# ----------------------------------------------------------------------------- training model
+
+class GlideModel(nn.Module):
+    """Frozen target + trainable draft. forward -> {"loss": draft loss, "llm_loss": target loss}."""
+
+    def __init__(self, target: TargetWrapper | nn.Module, draft: GlideDraft, loss_chunk_size: int | None = None):
+        super().__init__()
+        self.target = target if isinstance(target, TargetWrapper) else TargetWrapper(target)
+        self.draft = draft
+        self.loss_chunk_size = loss_chunk_size
+        tcfg = DraftConfig.from_target_config(self.target.config, draft.config.sliding_window)
+        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if getattr(tcfg, name) != getattr(draft.config, name):
+                raise ValueError(f"draft {name}={getattr(draft.config, name)} does not match the target's {getattr(tcfg, name)}")
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.draft.parameters() if p.requires_grad]
+
+    def forward(self, input_ids, labels, position_ids=None, cross_lag: int = 0, attention_mask=None) -> dict:
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        tgt = self.target(input_ids, position_ids, attention_mask=attention_mask)
+        hidden = self.target.embed(input_ids)                        # (B, T, H) frozen embeddings
+        draft_dtype = self.draft.input_layernorm.weight.dtype
+        hidden = hidden.to(draft_dtype)
+        rope = self.target.rotary(position_ids, hidden)              # (B, T, hd) x2
+        h = self.draft(hidden, position_ids, tgt.k, tgt.v, cross_lag=cross_lag,
+                       attention_mask=attention_mask, rope=rope)     # (B, T, H)
+        # One gather of the lm_head serves both losses; the loss kernels compute their gradients
+        # in forward, so backward never needs the (released) gathered weight.
+        with gathered(self.target.lm_head.weight) as w:
+            with torch.no_grad():
+                llm_loss = next_token_loss(tgt.last_hidden, w, labels, attention_mask, self.loss_chunk_size)
+            loss = next_token_loss(h, w, labels, attention_mask, self.loss_chunk_size)
+        return {"loss": loss, "llm_loss": llm_loss}
+
+
+def build_glide(
+    target_path_or_model: str | Path | nn.Module,
+    sliding_window: int = 512,
+    draft_path: str | Path | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    attn_implementation: str | None = None,
+    loss_chunk_size: int | None = None,
+) -> GlideModel:
+    """Load (or take) the target, build a fresh draft or load one, and join them."""
+    from longspec.checkpoint import load_draft_state, load_draft_weights
+
+    if isinstance(target_path_or_model, nn.Module):
+        hf_model = target_path_or_model
+    else:
+        hf_model = _load_target(Path(target_path_or_model), dtype, attn_implementation)
+    cfg = DraftConfig.from_target_config(hf_model.config, sliding_window)
+    draft = GlideDraft(cfg).to(dtype)
+    if draft_path is not None:
+        load_draft_weights(draft, load_draft_state(draft_path))
+    return GlideModel(TargetWrapper(hf_model), draft, loss_chunk_size)
+
+
+def _load_target(path: Path, dtype: torch.dtype, attn_implementation: str | None) -> nn.Module:
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"target model folder {path} has no config.json")
+    kwargs: dict[str, Any] = {}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    kwargs[dtype_kw] = dtype
+    return AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+
+
+__all__ = [
+    "DraftConfig", "GlideDraft", "TargetWrapper", "TargetOutput", "GlideModel", "build_glide",
+    "next_token_loss", "gathered", "apply_rope",
+]

@@ -1,0 +1,280 @@
+"""longspec.data with the real tiny tokenizer: labels per record kind, truncation, EOS, bad input,
+JSON arrays, padding and the sharded loader."""
+
+import json
+
+import pytest
+import torch
+
+from longspec.data import (DataError, build_dataset, collate, encode_record, make_loader,
+                           read_records)
+from longspec.tiny import build_tiny
+
+IGNORE = -100
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny(tmp_path_factory.mktemp("tiny"), family="qwen2")
+
+
+@pytest.fixture(scope="module")
+def tok(tiny):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tiny["target"])
+
+
+def write_jsonl(path, records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def one(tmp_path, tok, rec, collator, max_len=4096, train_eos=False):
+    ds = build_dataset(write_jsonl(tmp_path / "d.jsonl", [rec]), tok, collator, max_len,
+                       train_eos=train_eos)
+    s = ds[0]
+    return s["input_ids"].tolist(), s["labels"].tolist()
+
+
+def ids_of(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def chat(tok, msgs, gen=False):
+    return ids_of(tok, tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen))
+
+
+# ---------------------------------------------------------------- short_text
+
+def test_short_text_labels_every_token_and_masks_eos(tmp_path, tok):
+    text = "the red cat sees the dog . count from 3 : 3 4 5 ."
+    ids, labels = one(tmp_path, tok, {"text": text}, "short_text")
+    assert ids == ids_of(tok, text) + [tok.eos_token_id]
+    assert labels == ids[:-1] + [IGNORE]
+
+
+def test_short_text_train_eos_labels_the_eos(tmp_path, tok):
+    ids, labels = one(tmp_path, tok, {"text": "the dog ."}, "short_text", train_eos=True)
+    assert ids[-1] == tok.eos_token_id and labels == ids
+
+
+def test_short_text_reads_upstream_target_field(tmp_path, tok):
+    ids, _ = one(tmp_path, tok, {"target": "the old king ."}, "short_text")
+    assert ids == ids_of(tok, "the old king .") + [tok.eos_token_id]
+
+
+def test_truncation_cuts_to_max_seq_length(tmp_path, tok):
+    text = " ".join(str(i) for i in range(100))
+    ids, labels = one(tmp_path, tok, {"text": text}, "short_text", max_len=7)
+    assert ids == ids_of(tok, text)[:7] and labels == ids  # EOS cut off, all trained
+
+
+# ---------------------------------------------------------------- long_data
+
+def test_long_data_code_and_book_are_plain_text(tmp_path, tok):
+    code = "def f0(x):\n    return x + 3\n"
+    ids, labels = one(tmp_path, tok, {"source": "code", "text": code}, "long_data")
+    assert ids == ids_of(tok, code) + [tok.eos_token_id]
+    assert labels == ids[:-1] + [IGNORE]
+    ids2, _ = one(tmp_path, tok, {"source": "book", "text": code}, "long_data")
+    assert ids2 == ids
+
+
+def test_long_data_arxiv_renders_summary_chat_all_labelled(tmp_path, tok):
+    rec = {"source": "arxiv", "article": "fact : the age of ada is 10 .", "abstract": "ada is 10 ."}
+    ids, labels = one(tmp_path, tok, rec, "long_data")
+    msgs = [{"role": "user", "content": "Summarize this article.\n\nfact : the age of ada is 10 ."},
+            {"role": "assistant", "content": "ada is 10 ."}]
+    assert ids == chat(tok, msgs) + [tok.eos_token_id]
+    assert labels == ids[:-1] + [IGNORE]  # no-mask: the user turn is trained too
+    assert tok.decode(ids).startswith("<|im_start|>user\n")
+
+
+def test_long_data_arxiv_lists_become_turn_pairs(tmp_path, tok):
+    rec = {"source": "arxiv", "article": ["a one .", "a two ."], "abstract": ["s one .", "s two ."]}
+    ids, _ = one(tmp_path, tok, rec, "long_data")
+    text = tok.decode(ids)
+    assert text.count("<|im_start|>assistant\n") == 2
+    assert text.index("s one .") < text.index("a two .") < text.index("s two .")
+
+
+def test_long_data_tulu_and_messages_chats(tmp_path, tok):
+    conv = [{"role": "user", "content": "count from 3 to 5 ."},
+            {"role": "assistant", "content": "3 4 5 ."}]
+    expect = chat(tok, conv) + [tok.eos_token_id]
+    for rec in ({"source": "tulu-v2", "conversation": conv}, {"messages": conv},
+                {"messages": [{"from": "human", "value": conv[0]["content"]},
+                              {"from": "gpt", "value": conv[1]["content"]}]}):
+        ids, labels = one(tmp_path, tok, rec, "long_data")
+        assert ids == expect
+        assert labels == ids[:-1] + [IGNORE]
+
+
+def test_long_data_unknown_source_is_named(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"source": "wiki", "body": "x"}])
+    with pytest.raises(DataError, match=r"d\.jsonl:1: unknown source 'wiki'"):
+        build_dataset(path, tok, "long_data", 128)
+
+
+def test_long_data_missing_conversation_names_the_field(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"source": "tulu-v2", "dialog": []}])
+    with pytest.raises(DataError, match=r"d\.jsonl:1: missing field 'conversation'"):
+        build_dataset(path, tok, "long_data", 128)
+
+
+# ---------------------------------------------------------------- long_cot
+
+@pytest.mark.parametrize("fields", [("problem", "qwq"), ("prompt", "response")])
+def test_long_cot_trains_only_the_answer(tmp_path, tok, fields):
+    q, a = "add the numbers 2 , 3 .", "let me think . 0 plus 2 is 2 . 2 plus 3 is 5 ."
+    ids, labels = one(tmp_path, tok, {fields[0]: q, fields[1]: a}, "long_cot")
+    head = chat(tok, [{"role": "user", "content": q}], gen=True)
+    assert ids[: len(head)] == head
+    assert labels[: len(head)] == [IGNORE] * len(head)
+    trained = [t for t in labels if t != IGNORE]
+    assert tok.decode(trained) == a + "<|im_end|>\n"  # the turn end is part of the answer
+    assert ids[-1] == tok.eos_token_id and labels[-1] == IGNORE
+    assert len(trained) == len(ids) - len(head) - 1
+
+
+def test_long_cot_train_eos(tmp_path, tok):
+    ids, labels = one(tmp_path, tok, {"problem": "q .", "qwq": "a ."}, "long_cot", train_eos=True)
+    assert labels[-1] == ids[-1] == tok.eos_token_id
+
+
+def test_long_cot_long_prompt_keeps_room_for_the_answer(tmp_path, tok):
+    prompt = " ".join(f"fact : the code of ada is {i} ." for i in range(200))
+    ids, labels = one(tmp_path, tok, {"prompt": prompt, "response": "the answer is 5 ."},
+                      "long_cot", max_len=256)
+    assert len(ids) <= 256
+    assert tok.decode([t for t in labels if t != IGNORE]) == "the answer is 5 .<|im_end|>\n"
+    assert tok.decode(ids).count("<|im_start|>assistant\n") == 1  # header kept before the answer
+
+
+def test_long_cot_missing_answer_names_the_field(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"problem": "q", "qwq": "a"}, {"problem": "q2"}])
+    with pytest.raises(DataError, match=r"d\.jsonl:2: missing field 'qwq'"):
+        build_dataset(path, tok, "long_cot", 128)
+
+
+# ---------------------------------------------------------------- bad input
+
+def test_bad_json_line_reports_file_and_line(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "a"}, '{"text": "b"', {"text": "c"}])
+    with pytest.raises(DataError, match=r"d\.jsonl:2: invalid JSON"):
+        build_dataset(path, tok, "short_text", 64)
+
+
+def test_skip_mode_counts_every_kind_of_bad_record(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl",
+                       [{"text": "a ."}, "{oops", "[1, 2]", {"txt": "no"}, "", {"text": 5},
+                        {"text": "b ."}])
+    ds = build_dataset(path, tok, "short_text", 64, on_bad_record="skip")
+    assert len(ds) == 2 and ds.skipped == 4
+    assert [p.split(": ", 1)[0] for p in ds.problems] == [f"{path}:{n}" for n in (2, 3, 4, 6)]
+    assert "missing field 'text'" in ds.problems[2]
+    assert ds.num_tokens == sum(len(ds[i]["input_ids"]) for i in range(2))
+
+
+@pytest.mark.parametrize("mode", ["error", "skip"])
+def test_zero_usable_records_is_always_an_error(tmp_path, tok, mode):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"txt": "a"}, {"body": "b"}])
+    with pytest.raises(DataError, match="no usable records|missing field"):
+        build_dataset(path, tok, "short_text", 64, on_bad_record=mode)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(DataError, match=r"empty\.jsonl: no usable records"):
+        build_dataset(empty, tok, "short_text", 64, on_bad_record=mode)
+
+
+def test_record_with_nothing_to_train_is_bad(tmp_path, tok):
+    # an empty text is only its EOS, which is not trained by default: nothing to learn
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": ""}, {"text": "a ."}])
+    with pytest.raises(DataError, match=r"d\.jsonl:1: no trained tokens"):
+        build_dataset(path, tok, "short_text", 64)
+    assert len(build_dataset(path, tok, "short_text", 64, train_eos=True)) == 2
+
+
+def test_missing_and_unreadable_files_are_named(tmp_path, tok):
+    with pytest.raises(DataError, match=r"nope\.jsonl: no such file"):
+        build_dataset(tmp_path / "nope.jsonl", tok, "short_text", 64)
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes('{"text": "caf\xe9"}\n'.encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin\.jsonl: not UTF-8"):
+        build_dataset(latin, tok, "short_text", 64)
+    with pytest.raises(DataError, match="is a folder"):
+        build_dataset(tmp_path, tok, "short_text", 64)
+
+
+def test_unknown_collator_is_refused(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "a"}])
+    with pytest.raises(DataError, match="unknown collator 'dpo'"):
+        build_dataset(path, tok, "dpo", 64)
+
+
+# ---------------------------------------------------------------- JSON arrays
+
+def test_json_array_input_with_real_line_numbers(tmp_path, tok):
+    path = tmp_path / "d.json"
+    path.write_text('[\n  {"text": "the dog ."},\n  {"text": "the cat ."},\n'
+                    '  {\n    "txt": "oops"\n  }\n]\n')
+    assert [line for line, _ in read_records(path)] == [2, 3, 4]  # fields: the collator's job
+    with pytest.raises(DataError, match=r"d\.json:4: missing field 'text'"):
+        build_dataset(path, tok, "short_text", 64)
+    ds = build_dataset(path, tok, "short_text", 64, on_bad_record="skip")
+    assert len(ds) == 2 and ds.skipped == 1
+
+
+def test_broken_json_array_is_an_error_even_in_skip_mode(tmp_path):
+    path = tmp_path / "d.json"
+    path.write_text('[{"text": "a"},\n {"text": }]')
+    with pytest.raises(DataError, match=r"d\.json:2: invalid JSON"):
+        list(read_records(path, "skip"))
+
+
+# ---------------------------------------------------------------- collate + loader
+
+def test_collate_pads_right_and_masks_padding(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "the big red dog sees the cat ."},
+                                              {"text": "a ."}])
+    ds = build_dataset(path, tok, "short_text", 64, train_eos=True)
+    pad = tok.pad_token_id
+    assert pad == tok.eos_token_id  # the tiny target pads with EOS, like upstream's configs
+    b = collate([ds[0], ds[1]], pad)
+    n0, n1 = len(ds[0]["input_ids"]), len(ds[1]["input_ids"])
+    assert b["input_ids"].shape == b["labels"].shape == b["attention_mask"].shape == (2, n0)
+    assert b["input_ids"][1, n1:].eq(pad).all()
+    assert b["labels"][1, n1:].eq(IGNORE).all()
+    assert b["labels"][1, n1 - 1] == tok.eos_token_id  # the real EOS is still a label
+    assert b["attention_mask"].sum(1).tolist() == [n0, n1]
+
+
+def _loader_batches(ds, **kw):
+    args = dict(batch_size=2, seed=7, rank=0, world_size=1, pad_token_id=0) | kw
+    return make_loader(ds, **args)
+
+
+def test_loader_shards_shuffles_and_resumes(tmp_path, tok):
+    records = [{"text": f"count from {i} : {i} ."} for i in range(11)]
+    path = write_jsonl(tmp_path / "d.jsonl", records)
+    ds = build_dataset(path, tok, "short_text", 64)
+    key = {tuple(ds[i]["input_ids"].tolist()): i for i in range(len(ds))}
+
+    def order(loader):
+        return [key[tuple(row[m.bool()].tolist())]
+                for b in loader for row, m in zip(b["input_ids"], b["attention_mask"])]
+
+    a, b = _loader_batches(ds), _loader_batches(ds)
+    first = order(a)
+    assert first == order(b) and sorted(first) == list(range(11))  # same seed, same order
+    assert order(a) != first  # the next pass is the next epoch
+    assert order(_loader_batches(ds, seed=8)) != first
+
+    ranks = [_loader_batches(ds, rank=r, world_size=3) for r in range(3)]
+    per_rank = [order(r) for r in ranks]
+    assert {len(r) for r in ranks} == {2} and {len(p) for p in per_rank} == {4}
+    assert set().union(*per_rank) == set(range(11))  # 12 slots: one sample wraps around
+
+    resumed = _loader_batches(ds, skip_batches=2)
+    assert order(resumed) == first[4:]
+    assert order(resumed) == order(_loader_batches(ds, epoch=1))  # then whole epochs again

@@ -1,0 +1,304 @@
+"""GLIDE draft, frozen target wrapper and the training model, on tiny real Qwen2 / Llama targets."""
+from __future__ import annotations
+
+import importlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from longspec.model import DraftConfig, GlideDraft, GlideModel, TargetWrapper, build_glide
+from longspec.positions import anchor_offset_position_ids
+from tests.trainer.conftest import TINY_DIMS, make_tiny_target
+
+# The LongSpec reference draft layer (Qwen2GlideDecoderLayer / LlamaGlideDecoderLayer): both
+# attentions have q/k/v/o projections, q/k/v with bias, o without; SwiGLU MLP; three RMSNorms.
+REFERENCE_KEYS = sorted(
+    [f"{attn}.{p}_proj.{t}" for attn in ("self_attn", "cross_attn") for p in "qkv" for t in ("weight", "bias")]
+    + [f"{attn}.o_proj.weight" for attn in ("self_attn", "cross_attn")]
+    + [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    + [f"{n}.weight" for n in ("input_layernorm", "post_self_attention_layernorm", "post_cross_attention_layernorm")]
+)
+
+
+def batch(B=2, T=24, vocab=TINY_DIMS["vocab_size"], seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (B, T), generator=g)
+    labels = ids.clone()
+    labels[:, :3] = -100                      # a masked prompt
+    pos = anchor_offset_position_ids(T, B, anchors=4, max_offset=5000, generator=g)
+    return ids, labels, pos
+
+
+def glide(target, window=8):
+    torch.manual_seed(1)
+    return build_glide(target, sliding_window=window, dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------- config
+
+def test_draft_config_from_target(family, tiny_target):
+    cfg = DraftConfig.from_target_config(tiny_target.config, sliding_window=256)
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (64, 128, 4, 2)
+    assert cfg.head_dim == 16 and cfg.family == family and cfg.sliding_window == 256
+    assert cfg.rope_theta == (10000.0 if family == "qwen2" else 500000.0)
+    assert cfg.max_position_embeddings == 32768 and cfg.rope_type == "default"
+    assert cfg.attention_bias is True           # reference draft layout, both families
+
+
+def test_draft_config_reads_transformers4_style_rope_fields():
+    old = SimpleNamespace(model_type="llama", hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                          num_key_value_heads=4, rms_norm_eps=1e-5, rope_theta=123.0, max_position_embeddings=64,
+                          rope_scaling={"type": "linear", "factor": 2.0}, hidden_act="silu")
+    cfg = DraftConfig.from_target_config(old)
+    assert cfg.rope_theta == 123.0 and cfg.rope_type == "linear" and cfg.head_dim == 8
+
+
+def test_draft_config_rejects_other_families():
+    with pytest.raises(ValueError, match="unsupported target family"):
+        DraftConfig.from_target_config(SimpleNamespace(model_type="gpt2"))
+
+
+# ----------------------------------------------------------------------------- draft block
+
+def test_draft_state_dict_matches_reference_layout(family, tiny_target):
+    draft = GlideDraft(DraftConfig.from_target_config(tiny_target.config))
+    assert sorted(draft.state_dict()) == REFERENCE_KEYS
+    sd = draft.state_dict()
+    assert sd["self_attn.q_proj.weight"].shape == (64, 64)
+    assert sd["self_attn.k_proj.weight"].shape == (32, 64)       # GQA: kvh * hd
+    assert sd["mlp.gate_proj.weight"].shape == (128, 64)
+
+
+def test_forward_shapes(family, tiny_target):
+    model = glide(tiny_target)
+    ids, labels, pos = batch()
+    tgt = model.target(ids, pos)
+    assert tgt.k.shape == tgt.v.shape == (2, 2, 24, 16)
+    assert tgt.last_hidden.shape == (2, 24, 64) and tgt.llm_loss is None
+    h = model.draft(model.target.embed(ids), pos, tgt.k, tgt.v, cross_lag=2, rope=model.target.rotary(pos, tgt.last_hidden))
+    assert h.shape == (2, 24, 64)
+    out = model(ids, labels, pos, cross_lag=3)
+    assert set(out) == {"loss", "llm_loss"}
+    assert out["loss"].shape == () and out["loss"].dtype == torch.float32 and torch.isfinite(out["loss"])
+
+
+def test_only_draft_parameters_get_gradients(family, tiny_target):
+    model = glide(tiny_target)
+    model.train()
+    ids, labels, pos = batch()
+    model(ids, labels, pos, cross_lag=2)["loss"].backward()
+    assert all(p.grad is None for p in model.target.parameters())
+    assert not any(p.requires_grad for p in model.target.parameters())
+    trainable = dict((n, p) for n, p in model.draft.named_parameters() if p.requires_grad)
+    assert trainable and all(p.grad is not None and p.grad.abs().sum() > 0 for p in trainable.values())
+    # cross_attn k/v projections exist only for the reference layout: frozen, unused
+    frozen = sorted(n for n, p in model.draft.named_parameters() if not p.requires_grad)
+    assert frozen == ["cross_attn.k_proj.bias", "cross_attn.k_proj.weight", "cross_attn.v_proj.bias", "cross_attn.v_proj.weight"]
+    assert model.trainable_parameters() == list(trainable.values())
+    assert model.target.model.training is False          # train() on the parent keeps the target in eval
+
+
+def test_target_kv_are_the_last_layers_post_rope_kv(family, tiny_target):
+    """K/V from the cache == the last attention's own k_proj / v_proj outputs, RoPE applied."""
+    ids, _, pos = batch(T=20)
+    wrapper = TargetWrapper(tiny_target)
+    attn = tiny_target.model.layers[-1].self_attn
+    seen = {}
+    hooks = [attn.k_proj.register_forward_hook(lambda m, i, o: seen.__setitem__("k", o)),
+             attn.v_proj.register_forward_hook(lambda m, i, o: seen.__setitem__("v", o))]
+    out = wrapper(ids, pos)
+    for h in hooks:
+        h.remove()
+    B, T, kvh, hd = 2, 20, 2, 16
+    k_raw = seen["k"].view(B, T, kvh, hd).transpose(1, 2)
+    v_raw = seen["v"].view(B, T, kvh, hd).transpose(1, 2)
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    cos, sin = tiny_target.model.rotary_emb(k_raw, pos)
+    _, k_rope = modeling.apply_rotary_pos_emb(k_raw, k_raw, cos, sin)
+    torch.testing.assert_close(out.k, k_rope)
+    torch.testing.assert_close(out.v, v_raw)
+    assert not torch.allclose(out.k, k_raw)                       # RoPE really was applied
+
+
+def test_target_llm_loss_equals_the_models_own_loss(family, tiny_target):
+    ids, labels, pos = batch()
+    with torch.no_grad():
+        want = tiny_target(input_ids=ids, position_ids=pos, labels=labels).loss
+    got = TargetWrapper(tiny_target)(ids, pos, labels=labels).llm_loss
+    torch.testing.assert_close(got, want.float())
+
+
+def test_draft_loss_matches_hand_computed_reference(family, tiny_target):
+    model = glide(tiny_target)
+    ids, labels, pos = batch()
+    out = model(ids, labels, pos, cross_lag=2)
+    tgt = model.target(ids, pos)
+    h = model.draft(model.target.embed(ids), pos, tgt.k, tgt.v, cross_lag=2, rope=model.target.rotary(pos, tgt.last_hidden))
+    logits = h.float() @ tiny_target.lm_head.weight.float().T     # (B, T, V), fine at this size
+    want = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
+    torch.testing.assert_close(out["loss"], want)
+    torch.testing.assert_close(out["llm_loss"], model.target(ids, pos, labels=labels).llm_loss)
+
+
+def test_draft_rope_equals_target_rope(family, tiny_target):
+    model = glide(tiny_target)
+    _, _, pos = batch()
+    like = torch.zeros(1, dtype=torch.float32)
+    cos_t, sin_t = model.target.rotary(pos, like)
+    cos_d, sin_d = model.draft.rotary(pos, torch.float32)
+    torch.testing.assert_close(cos_d, cos_t)
+    torch.testing.assert_close(sin_d, sin_t)
+
+
+def test_cross_attention_respects_the_lag(family, tiny_target):
+    """Output at t must not depend on the target's K/V after t - lag, and must depend on t - lag."""
+    model = glide(tiny_target)
+    ids, _, pos = batch(T=16)
+    tgt = model.target(ids, pos)
+    emb = model.target.embed(ids)
+    lag, t = 3, 10
+    base = model.draft(emb, pos, tgt.k, tgt.v, cross_lag=lag)
+    k2, v2 = tgt.k.clone(), tgt.v.clone()
+    k2[:, :, t - lag + 1:] += 5.0
+    v2[:, :, t - lag + 1:] += 5.0
+    after = model.draft(emb, pos, k2, v2, cross_lag=lag)
+    torch.testing.assert_close(after[:, : t + 1], base[:, : t + 1])
+    v3 = tgt.v.clone()
+    v3[:, :, t - lag] += 5.0
+    assert not torch.allclose(model.draft(emb, pos, tgt.k, v3, cross_lag=lag)[:, t], base[:, t])
+
+
+def test_self_attention_window(family, tiny_target):
+    """With a window of 4, the draft's output at t ignores inputs at t-4 and earlier (cross-attn fixed)."""
+    model = glide(tiny_target, window=4)
+    ids, _, pos = batch(T=16)
+    tgt = model.target(ids, pos)
+    emb = model.target.embed(ids)
+    t = 12
+    base = model.draft(emb, pos, tgt.k, tgt.v)
+    emb2 = emb.clone()
+    emb2[:, : t - 3] += 3.0                                   # positions <= t-4
+    torch.testing.assert_close(model.draft(emb2, pos, tgt.k, tgt.v)[:, t], base[:, t])
+    emb3 = emb.clone()
+    emb3[:, t - 3] += 3.0                                     # t-3 is inside the window
+    assert not torch.allclose(model.draft(emb3, pos, tgt.k, tgt.v)[:, t], base[:, t])
+
+
+def test_padding_mask_excludes_pads_from_the_loss(family, tiny_target):
+    model = glide(tiny_target)
+    ids, labels, pos = batch(B=1, T=20)
+    mask = torch.ones_like(ids)
+    padded_ids = torch.cat([ids, torch.zeros(1, 6, dtype=ids.dtype)], dim=1)
+    padded_labels = torch.cat([labels, torch.zeros(1, 6, dtype=labels.dtype)], dim=1)   # pad labels not -100
+    padded_mask = torch.cat([mask, torch.zeros(1, 6, dtype=mask.dtype)], dim=1)
+    padded_pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, 7)], dim=1)
+    a = model(ids, labels, pos, cross_lag=1)
+    b = model(padded_ids, padded_labels, padded_pos, cross_lag=1, attention_mask=padded_mask)
+    torch.testing.assert_close(b["loss"], a["loss"])
+    torch.testing.assert_close(b["llm_loss"], a["llm_loss"])
+
+
+def test_scaled_rope_target_needs_target_tables(tiny_target):
+    target = make_tiny_target("llama", rope_scaling={"rope_type": "linear", "factor": 4.0})
+    model = glide(target)
+    assert model.draft.config.rope_type == "linear"
+    ids, labels, pos = batch()
+    assert torch.isfinite(model(ids, labels, pos, cross_lag=1)["loss"])     # GlideModel passes the target's tables
+    with pytest.raises(ValueError, match="rope"):
+        model.draft.rotary(pos, torch.float32)
+
+
+def test_mismatched_draft_is_refused():
+    target = make_tiny_target("qwen2")
+    other = DraftConfig.from_target_config(make_tiny_target("qwen2", hidden_size=32, num_attention_heads=2,
+                                                            num_key_value_heads=2).config)
+    with pytest.raises(ValueError, match="hidden_size"):
+        GlideModel(target, GlideDraft(other))
+
+
+def test_build_glide_from_folder_with_draft(tmp_path, tiny_target):
+    from longspec.checkpoint import save_draft
+
+    tiny_target.save_pretrained(tmp_path / "target")
+    first = build_glide(tmp_path / "target", sliding_window=8, dtype=torch.float32)
+    save_draft(first.draft.state_dict(), tmp_path / "run")
+    second = build_glide(tmp_path / "target", sliding_window=8, dtype=torch.float32,
+                         draft_path=tmp_path / "run" / "draft_model_weights.pth")
+    for (n, a), (_, b) in zip(first.draft.state_dict().items(), second.draft.state_dict().items()):
+        assert torch.equal(a, b), n
+    ids, labels, pos = batch()
+    torch.testing.assert_close(first(ids, labels, pos, 2)["loss"], second(ids, labels, pos, 2)["loss"])
+    with pytest.raises(FileNotFoundError):
+        build_glide(tmp_path / "nowhere")
+
+
+# ----------------------------------------------------------------------------- DeepSpeed ZeRO-3
+
+def _zero3_worker(rank: int, world: int, port: int) -> None:
+    """One rank: GlideModel under ZeRO-3 (every parameter partitioned, lm_head included) must give
+    the same losses and draft gradients as the plain model."""
+    import os
+
+    os.environ.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_grad
+
+    from longspec.checkpoint import gather_draft_state
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(1)
+    model = build_glide(make_tiny_target("qwen2"), sliding_window=8, dtype=torch.float32)
+    ids, labels, pos = batch()
+    ref = model(ids, labels, pos, 2)
+    ref["loss"].backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.draft.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    ref_state = gather_draft_state(model.draft)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+           "zero_allow_untested_optimizer": True}
+    optimizer = torch.optim.AdamW(model.trainable_parameters(), lr=1e-3)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
+    w = model.target.lm_head.weight
+    assert hasattr(w, "ds_id") and w.numel() == 0, "lm_head is not partitioned: the test would prove nothing"
+    gathered_state = gather_draft_state(model.draft)               # full tensors from the shards
+    assert sorted(gathered_state) == sorted(ref_state)
+    assert all(torch.equal(gathered_state[k], ref_state[k]) for k in ref_state)
+    out = engine(ids, labels, pos, 2)
+    torch.testing.assert_close(out["loss"], ref["loss"])
+    torch.testing.assert_close(out["llm_loss"], ref["llm_loss"])
+    engine.backward(out["loss"])
+    for name, p in model.draft.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(safe_get_full_grad(p), ref_grads[name], rtol=1e-4, atol=1e-6)
+    engine.step()
+    dist.destroy_process_group()
+
+
+def _zero3_main(world: int = 2) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_zero3_worker, args=(world, port), nprocs=world)
+
+
+@pytest.mark.slow
+def test_zero3_partitioned_target_and_lm_head():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, "-c", "from tests.trainer.test_model import _zero3_main; _zero3_main()"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
