@@ -266,7 +266,13 @@ def gathered(param: nn.Parameter) -> Iterator[torch.Tensor]:
     """The full parameter, also when DeepSpeed ZeRO-3 has partitioned it (read-only gather)."""
     if hasattr(param, "ds_id"):
         import deepspeed
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
+        if param.ds_status == ZeroParamStatus.AVAILABLE:
+            # Already fetched by ZeRO-3's hooks for the running forward: gathering again would
+            # free it on exit while DeepSpeed still counts it as in use.
+            yield param
+            return
         with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
             yield param
     else:

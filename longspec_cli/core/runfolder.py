@@ -32,16 +32,26 @@ CHECKPOINT_INFO = "checkpoint.json"
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
-def config_fingerprint(exp_file: str | os.PathLike, overrides: Iterable[str] = ()) -> str:
-    """sha256 over the experiment file's bytes, then the sorted overrides (output_dir= excluded), "\\n"-joined.
+# Overrides that say where or how to run, not what to train: left out of the fingerprint.
+ORIGIN_ONLY_KEYS = frozenset({"exp", "output_dir", "force"})
 
-    The trainer writes this into stage_complete.json as `config_sha256`; `status` recomputes it.
+
+def config_overrides(overrides: Iterable[str]) -> list[str]:
+    """The overrides that change what is trained (`+exp=`, `output_dir=`, `force=` dropped)."""
+    return [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in ORIGIN_ONLY_KEYS]
+
+
+def config_fingerprint(exp_file: str | os.PathLike, overrides: Iterable[str] = ()) -> str:
+    """sha256 over the experiment file's bytes, then the sorted `config_overrides`, "\\n"-joined.
+
+    The trainer writes this into stage_complete.json as `config_sha256`; `status` and `run`
+    recompute it, all through this one function.
     """
     h = hashlib.sha256()
     with open(exp_file, "rb") as f:
         while block := f.read(1 << 20):
             h.update(block)
-    h.update("\n".join(sorted(o for o in overrides if not o.startswith("output_dir="))).encode("utf-8"))
+    h.update("\n".join(sorted(config_overrides(overrides))).encode("utf-8"))
     return h.hexdigest()
 
 

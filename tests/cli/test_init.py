@@ -57,11 +57,11 @@ def test_every_stage_file_opens_with_its_run_command_and_sets_precision_once(tmp
     assert _init(tmp_path, "--preset", "llama3-8b-262k").exit_code == 0
     for stage in P.STAGE_ORDER:
         text = (tmp_path / "proj/conf/exp" / f"{stage}.yaml").read_text()
-        first = text.splitlines()[:3]
-        assert first[1].startswith("# Run:  deepspeed --num_gpus=8 --module longspec.train")
-        assert f"+exp={stage}" in first[1]
+        first = text.splitlines()[:4]
+        assert first[0] == "# @package _global_"  # Hydra reads the header only before other comments
+        assert first[2].startswith("# Run:  deepspeed --num_gpus=8 --module longspec.train")
+        assert f"+exp={stage}" in first[2]
         assert text.count("precision:") == 1
-        assert "# @package _global_" in text
 
 
 def test_variants_and_presets_differ_where_they_should(tmp_path):

@@ -1,0 +1,702 @@
+"""Train one LongSpec stage: a GLIDE draft on a frozen target, with DeepSpeed.
+
+    python -m longspec.train --config-dir DIR/conf +exp=STAGE output_dir=RUN [key=value ...]
+    deepspeed --num_gpus N --module longspec.train --config-dir DIR/conf +exp=STAGE output_dir=RUN
+    deepspeed --num_gpus N /path/to/longspec/train.py --config-dir DIR/conf +exp=STAGE ...
+
+Hydra composes longspec/conf/config.yaml (every key and its default), then DIR/conf/exp/STAGE.yaml
+(`# @package _global_`, defaults [/deepspeed@ds_cfg: NAME, _self_]), then the overrides. Run from a
+project folder, `--config-dir` may be left out (conf/ is on the search path). The launcher's
+`--local_rank=N` is taken off the command line before Hydra sees it (LOCAL_RANK is set instead);
+a plain `python -m longspec.train` runs as a single rank.
+
+Without a GPU, DS_ACCELERATOR=cpu runs DeepSpeed on the CPU (gloo), one or several ranks (deepspeed
+0.19.8: `deepspeed --num_gpus N --module longspec.train ...` starts N CPU ranks). On CPU, precision
+is fp32 or bf16 (DeepSpeed's CPU accelerator has no fp16 training); optimizer offload uses
+DeepSpeedCPUAdam (built on first use, ~1 min), or torch AdamW when that op cannot be built.
+
+Steps: check the config (before anything loads) -> skip if the stage is already complete ->
+preflight (target, data, draft) -> DeepSpeed engine -> resume from the newest complete checkpoint
+-> train -> checkpoint-<step>/ every save_steps and at the end -> draft_model_weights.pth ->
+stage_complete.json (last). Every rank tears the process group down and exits 0 on success;
+a user mistake prints one `error:` block on stderr and exits 1.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from longspec import dsconfig, outputs
+
+EXIT_ERROR = 1
+EXIT_INTERRUPTED = 130
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+_progress = {"step": 0}           # the last finished step, for the `error` event
+
+
+class TrainError(Exception):
+    """A problem the user can fix (bad input): reported as `error: ...`, exit code 1."""
+
+
+# ----------------------------------------------------------------------------- small helpers
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def print0(*args: Any) -> None:
+    if rank() == 0:
+        print(*args, flush=True)
+
+
+def report_error(message: str, hint: str | None = None) -> None:
+    text = "error: " + message.strip().replace("\n", "\n  ")
+    if hint:
+        text += f"\n  hint: {hint}"
+    print(text, file=sys.stderr, flush=True)
+
+
+def take_local_rank(argv: list[str]) -> list[str]:
+    """Remove DeepSpeed's `--local_rank=N` / `--local_rank N` (Hydra would reject it); set LOCAL_RANK."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--local_rank="):
+            os.environ.setdefault("LOCAL_RANK", arg.split("=", 1)[1])
+        elif arg == "--local_rank" and i + 1 < len(argv):
+            os.environ.setdefault("LOCAL_RANK", argv[i + 1])
+            i += 1
+        else:
+            out.append(arg)
+        i += 1
+    return out
+
+
+def single_process_env() -> None:
+    """`python -m longspec.train` without a launcher: a world of one on a free local port."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"),
+                      LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def seeded(*parts: int):
+    """A torch.Generator seeded from (seed, step, ...): the same numbers after a resume."""
+    import torch
+
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+# ----------------------------------------------------------------------------- config
+
+@dataclass
+class Origin:
+    exp_file: Path | None        # DIR/conf/exp/STAGE.yaml
+    overrides: list[str]          # command-line overrides that change the config
+    config_sha256: str | None
+
+
+def read_config(cfg) -> dict[str, Any]:
+    """The composed DictConfig as plain, resolved data; ConfigError on missing/broken values."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if "exp" in cfg:
+        # Hydra reads a file's `# @...` header only up to the first other line, comments included.
+        raise dsconfig.ConfigError([
+            "the experiment file was not merged at the top level: `# @package _global_` must be its "
+            "first line (Hydra stops reading the header at the first other comment)"])
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    try:
+        conf = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as e:
+        raise dsconfig.ConfigError([f"the config cannot be resolved: {str(e).splitlines()[0]}"]) from None
+    problems = [f"{key} must be set (in the stage file or as {key}=...)" for key in missing]
+    problems += [p for p in dsconfig.check_config(conf) if not any(p.startswith(k) for k in missing)]
+    if problems:
+        raise dsconfig.ConfigError(problems)
+    return conf
+
+
+def config_origin() -> Origin:
+    """Which experiment file Hydra composed and with which overrides (for config_sha256)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return Origin(None, [], None)
+    hc = HydraConfig.get()
+    choice = hc.runtime.choices.get("exp")
+    exp_file = None
+    if choice:
+        for source in hc.runtime.config_sources:
+            if source.schema != "file":
+                continue
+            candidate = Path(source.path) / "exp" / f"{choice}.yaml"
+            if candidate.is_file():
+                exp_file = candidate.resolve()
+                break
+    overrides = [o for o in hc.overrides.task if not _origin_only(o)]
+    sha = outputs.fingerprint(exp_file, overrides) if exp_file else None
+    return Origin(exp_file, overrides, sha)
+
+
+def _origin_only(override: str) -> bool:
+    """Overrides that say where or whether to run, not what to train."""
+    key = override.lstrip("+~").split("=", 1)[0]
+    return key in ("exp", "output_dir", "force")
+
+
+# ----------------------------------------------------------------------------- preflight
+
+@dataclass
+class Preflight:
+    target_config: Any
+    tokenizer: Any
+    dataset: Any                  # data.build_dataset(...): tokenized, bad records handled
+    draft_state: Any | None       # state dict from draft_model_name_or_path, checked
+    draft_sha256: str | None
+
+
+def preflight(conf: dict[str, Any]) -> Preflight:
+    """Everything that reads user files but no model weights, before any process group exists:
+    the target is a supported causal LM, the data tokenizes, the draft file is safe and fits.
+    Raises TrainError / DataError / DraftLoadError."""
+    target = Path(conf["model_name_or_path"])
+    if not (target / "config.json").is_file():
+        raise TrainError(f"model_name_or_path = {target}: not a Hugging Face model folder (no config.json)")
+    tcfg = _target_config(target)
+    train_file = Path(conf["train_file"])
+    if not train_file.is_file():
+        raise TrainError(f"train_file = {train_file}: file not found")
+    for name in ("wandb", "tensorboard"):
+        if conf["logging"][name]:
+            _require_logger(name)
+
+    draft_state, draft_sha = None, None
+    if conf["draft_model_name_or_path"] is not None:
+        draft_state, draft_sha = _load_draft(Path(conf["draft_model_name_or_path"]), tcfg, conf)
+
+    from longspec import data
+
+    tokenizer = _tokenizer(conf["model_name_or_path"])
+    d = conf["data"]
+    dataset = data.build_dataset(train_file, tokenizer, d["collator"], d["max_seq_length"],
+                                 on_bad_record=d["on_bad_record"], train_eos=d["train_eos"])
+    if getattr(dataset, "skipped", 0):
+        print0(f"[{conf['stage']}] skipped {dataset.skipped} bad records of {train_file}; first: "
+               f"{(getattr(dataset, 'problems', None) or ['?'])[0]}")
+    return Preflight(tcfg, tokenizer, dataset, draft_state, draft_sha)
+
+
+def _target_config(target: Path):
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from longspec.model import FAMILIES
+
+    try:
+        tcfg = AutoConfig.from_pretrained(str(target))
+    except (OSError, ValueError, KeyError) as e:
+        raise TrainError(f"model_name_or_path = {target}: unreadable model config ({str(e).splitlines()[0]})") from None
+    kind = getattr(tcfg, "model_type", None)
+    archs = getattr(tcfg, "architectures", None) or []
+    causal = kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and (not archs or any("CausalLM" in a for a in archs))
+    if not causal:
+        raise TrainError(f"model_name_or_path = {target}: not a causal language model "
+                         f"(model_type {kind!r}, architectures {archs})")
+    if kind not in FAMILIES:
+        raise TrainError(f"model_name_or_path = {target}: a {kind!r} model; GLIDE drafts support "
+                         f"{' and '.join(FAMILIES)} targets")
+    return tcfg
+
+
+def _load_draft(path: Path, tcfg, conf: dict[str, Any]):
+    """Load the input draft safely (weights_only) and check it against a meta-device draft."""
+    import torch
+
+    from longspec.checkpoint import check_draft_state, load_draft_state
+    from longspec.model import DraftConfig, GlideDraft
+    from longspec_cli.core.atomic import sha256_file
+
+    state = load_draft_state(path)            # DraftLoadError: missing, corrupt, pickle payload
+    with torch.device("meta"):
+        shell = GlideDraft(DraftConfig.from_target_config(tcfg, conf["draft"]["sliding_window"]))
+    check_draft_state(state, shell)            # DraftLoadError naming keys and shapes
+    file = path
+    if path.is_dir():
+        for name in ("draft_model_weights.pth", "draft_model_weights.safetensors", "model.safetensors"):
+            if (path / name).is_file():
+                file = path / name
+                break
+    return state, (sha256_file(file) if file.is_file() else None)
+
+
+def _require_logger(name: str) -> None:
+    import importlib.util
+
+    module = {"wandb": "wandb", "tensorboard": "tensorboard"}[name]
+    if importlib.util.find_spec(module) is None:
+        raise TrainError(f"logging.{name} = true but the `{module}` package is not installed "
+                         f"(install it, or set logging.{name}=false)")
+
+
+# ----------------------------------------------------------------------------- resume decision
+
+def decide_resume(out: outputs.RunWriter, origin: Origin, force: bool):
+    """The complete checkpoint to resume from (or None). Refuses checkpoints of another config."""
+    complete = out.complete_checkpoints()
+    if force:
+        return None
+    if not complete:
+        return None
+    newest = complete[-1]
+    theirs = newest.info.get("config_sha256")
+    if origin.config_sha256 and theirs and theirs != origin.config_sha256:
+        raise TrainError(
+            f"{out.dir} holds checkpoints of another config (checkpoint-{newest.step}); resuming "
+            "would mix two runs. Pass force=true to start over (its checkpoints are removed) or "
+            "choose another output_dir")
+    return newest
+
+
+# ----------------------------------------------------------------------------- the run
+
+def run(cfg) -> int:
+    """Train the stage described by the composed config. Returns the exit code."""
+    started = time.time()
+    conf = read_config(cfg)                                   # ConfigError before anything loads
+    origin = config_origin()
+    out = outputs.RunWriter(conf["output_dir"], enabled=rank() == 0)
+    done = out.stage_complete()
+    if done and not conf["force"] and _still_complete(done, out, origin):
+        print0(f"[{conf['stage']}] already complete ({done.get('steps')} steps, {out.dir}/"
+               f"{done.get('weights', 'draft_model_weights.pth')}); pass force=true to train it again")
+        return 0
+    pre = preflight(conf)
+    resume_from = decide_resume(out, origin, conf["force"])
+
+    session = Session(conf, origin, out, pre, started)
+    try:
+        session.setup(resume_from)
+        session.train()
+        session.finish()
+    finally:
+        session.close()
+    return 0
+
+
+def _still_complete(done: dict, out: outputs.RunWriter, origin: Origin) -> bool:
+    if origin.config_sha256 is None or done.get("config_sha256") != origin.config_sha256:
+        return False
+    weights = out.read.weights_for(done)
+    if not weights.is_file():
+        return False
+    from longspec_cli.core.runfolder import cached_sha256
+
+    return cached_sha256(weights) == done.get("sha256")
+
+
+# ----------------------------------------------------------------------------- the session
+
+class Session:
+    """One rank's training run: setup (engine, data, resume), train, finish, close."""
+
+    def __init__(self, conf: dict[str, Any], origin: Origin, out: outputs.RunWriter,
+                 pre: Preflight, started: float):
+        self.conf, self.origin, self.out, self.pre, self.started = conf, origin, out, pre, started
+        self.engine = None
+        self.trackers: outputs.Trackers | None = None
+        self.dist_ready = False
+        self.ok = False
+        self.step = 0
+        self.last_loss: float | None = None
+        self.saved: tuple[int, Any] | None = None       # (step, draft state) of the last save
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, resume_from) -> None:
+        import deepspeed
+        import torch
+        from deepspeed.accelerator import get_accelerator
+
+        conf = self.conf
+        accel = get_accelerator()
+        self.on_cpu = accel.device_name() == "cpu"
+        if self.on_cpu and "OMP_NUM_THREADS" not in os.environ:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+        deepspeed.init_distributed(dist_backend=accel.communication_backend_name())
+        self.dist_ready = True
+        self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+        self.dataset, self.pad_id = self.pre.dataset, self.pre.tokenizer.pad_token_id
+        self.per_epoch = len(self._loader(epoch=0, skip=0))
+        if self.per_epoch == 0:
+            raise TrainError(f"train_file = {conf['train_file']}: no batch of "
+                             f"{conf['per_gpu_train_batch_size']} records per rank over {self.world} ranks")
+        self.total, warmup = dsconfig.plan_steps(conf, self.per_epoch)
+
+        cpu_adam_error = _cpu_adam_error(accel) if _wants_offload(conf) else None
+        ds_conf, notes = dsconfig.build_ds_config(
+            conf, world_size=self.world, total_steps=self.total, warmup_steps=warmup,
+            on_cpu=self.on_cpu, cpu_adam_error=cpu_adam_error)
+        for note in notes:
+            print0(f"[{conf['stage']}] note: {note}")
+        self.ds_conf = ds_conf
+
+        # All ranks decided on resume_from before anything is written (read-only so far).
+        torch.distributed.barrier()
+        if self.rank == 0:
+            if conf["force"]:
+                self.out.remove_all_checkpoints()
+            self.out.clear_stage_complete()
+            self.out.write_training_config(_training_config_yaml(conf, ds_conf, self.origin))
+
+        self.engine = self._engine(ds_conf)
+        self.trackers = outputs.Trackers(conf, self.out.dir, enabled=self.rank == 0)
+        if resume_from is not None:
+            self._resume(resume_from)
+        else:
+            self.out.event("start", 0, total_steps=self.total, world_size=self.world,
+                           config_sha256=self.origin.config_sha256)
+        self.max_offset = self._max_offset()
+        print0(f"[{conf['stage']}] {self.total} steps, {self.world} rank(s) x "
+               f"{conf['per_gpu_train_batch_size']} x {conf['gradient_accumulation_steps']} accumulation, "
+               f"ZeRO-{ds_conf['zero_optimization']['stage']}, {conf['precision']}, optimizer "
+               f"{type(getattr(self.engine, 'basic_optimizer', None)).__name__}, {self.per_epoch} "
+               f"batches/epoch/rank, {len(self.dataset)} records")
+
+    def _loader(self, epoch: int, skip: int):
+        from longspec import data
+
+        return data.make_loader(self.dataset, self.conf["per_gpu_train_batch_size"],
+                                seed=self.conf["seed"], rank=self.rank, world_size=self.world,
+                                pad_token_id=self.pad_id, skip_batches=skip, epoch=epoch)
+
+    def _engine(self, ds_conf: dict):
+        import deepspeed
+        import torch
+
+        from longspec.checkpoint import load_draft_weights
+        from longspec.model import build_glide
+
+        conf = self.conf
+        torch.manual_seed(conf["seed"])                  # the same fresh draft on every rank
+        dtype = getattr(torch, DTYPES[conf["precision"]])
+        model = build_glide(conf["model_name_or_path"], sliding_window=conf["draft"]["sliding_window"],
+                            dtype=dtype, loss_chunk_size=conf["loss_chunk_size"])
+        if self.pre.draft_state is not None:
+            load_draft_weights(model.draft, self.pre.draft_state)
+            self.pre.draft_state = None
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.trainable_parameters(), config=ds_conf)
+        return engine
+
+    def _resume(self, ckpt) -> None:
+        path = ckpt.path / outputs.DS_STATE
+        loaded, client = self.engine.load_checkpoint(
+            str(path), tag=outputs.DS_TAG, load_module_strict=False,
+            load_optimizer_states=True, load_lr_scheduler_states=True)
+        if loaded is None:
+            raise TrainError(f"{ckpt.path}: DeepSpeed state could not be loaded")
+        self.step = int(client.get("step", ckpt.step))
+        _progress["step"] = self.step
+        self.last_loss = ckpt.info.get("loss")
+        self.out.event("resume", self.step, total_steps=self.total, path=str(ckpt.path),
+                       config_sha256=self.origin.config_sha256)
+        print0(f"[{self.conf['stage']}] resumed from {ckpt.path} at step {self.step}")
+
+    def _max_offset(self) -> int:
+        from longspec.positions import default_max_offset
+
+        p = self.conf["positions"]
+        if p["max_offset"] is not None:
+            return int(p["max_offset"])
+        limit = getattr(self.pre.target_config, "max_position_embeddings", 0) or 0
+        return default_max_offset(limit, self.conf["data"]["max_seq_length"]) if limit > 0 else 0
+
+    # ------------------------------------------------------------------ train
+    def batches(self, consumed: int):
+        """Micro-batches from `consumed` on: epoch = consumed // per_epoch, the rest skipped."""
+        epoch, skip = divmod(consumed, self.per_epoch)
+        while True:
+            for batch in self._loader(epoch, skip):
+                yield batch
+            epoch, skip = epoch + 1, 0
+
+    def positions(self, batch: int, seq: int, micro: int):
+        from longspec.positions import anchor_offset_position_ids, plain_position_ids
+
+        p = self.conf["positions"]
+        if p["mode"] == "plain":
+            return plain_position_ids(seq, batch)
+        gen = seeded(self.conf["seed"], self.step, micro, self.rank)
+        return anchor_offset_position_ids(seq, batch, anchors=p["anchors"], max_offset=self.max_offset,
+                                          threshold=p["threshold"], generator=gen)
+
+    def train(self) -> None:
+        import torch
+
+        from longspec.positions import sample_cross_lag
+
+        conf, engine = self.conf, self.engine
+        ga = conf["gradient_accumulation_steps"]
+        device = engine.device
+        stream = self.batches(self.step * ga)
+        t_train, step0 = time.time(), self.step
+        t_log, tokens_log = time.time(), 0.0
+        engine.train()
+        while self.step < self.total:
+            lag = sample_cross_lag(conf["cross_attn_lag"], seeded(conf["seed"], self.step, -1))
+            sums = torch.zeros(3, dtype=torch.float64)       # loss, llm_loss, tokens on this rank
+            for micro in range(ga):
+                batch = next(stream)
+                ids = batch["input_ids"]                       # (B, T)
+                mask = batch.get("attention_mask")
+                pos = self.positions(ids.shape[0], ids.shape[1], micro)
+                result = engine(input_ids=ids.to(device), labels=batch["labels"].to(device),
+                                position_ids=pos.to(device), cross_lag=lag,
+                                attention_mask=None if mask is None else mask.to(device))
+                engine.backward(result["loss"])
+                engine.step()
+                sums[0] += result["loss"].detach().float().item()
+                sums[1] += result["llm_loss"].detach().float().item()
+                sums[2] += float(mask.sum()) if mask is not None else ids.numel()
+            self.step += 1
+            _progress["step"] = self.step
+            torch.distributed.all_reduce(sums)
+            loss, llm_loss = sums[0].item() / (ga * self.world), sums[1].item() / (ga * self.world)
+            self.last_loss = loss
+            tokens_log += sums[2].item()
+            if self.step % conf["logging_steps"] == 0 or self.step == self.total:
+                now = time.time()
+                tps = tokens_log / max(now - t_log, 1e-9)
+                lr = engine.get_lr()[0]
+                self.out.step_record(step=self.step, total_steps=self.total, loss=loss, llm_loss=llm_loss,
+                                     lr=lr, tokens_per_s=tps, elapsed_s=now - self.started)
+                self.trackers.log(self.step, {"loss": loss, "llm_loss": llm_loss, "lr": lr,
+                                              "tokens_per_s": tps})
+                per_step = (now - t_train) / max(self.step - step0, 1)
+                print0(f"[{conf['stage']}] step {self.step}/{self.total} loss {loss:.4f} "
+                       f"llm_loss {llm_loss:.4f} lr {lr:.3g} {tps:,.0f} tok/s "
+                       f"ETA {_clock(per_step * (self.total - self.step))}")
+                t_log, tokens_log = now, 0.0
+            if self.step % conf["save_steps"] == 0 or self.step == self.total:
+                self.save_checkpoint()
+                t_log = time.time()                      # throughput leaves the save time out
+
+    # ------------------------------------------------------------------ save
+    def draft_state(self) -> dict | None:
+        """The draft's full state dict as CPU tensors on rank 0 (ZeRO-3: gathered; collective)."""
+        import deepspeed
+
+        draft = self.engine.module.draft
+        partitioned = [p for p in draft.parameters() if hasattr(p, "ds_id")]
+        if partitioned:
+            with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None):
+                state = _cpu_state(draft) if self.rank == 0 else None
+        else:
+            state = _cpu_state(draft) if self.rank == 0 else None
+        return state
+
+    def save_checkpoint(self) -> None:
+        import torch
+
+        from longspec.checkpoint import save_draft
+
+        path = self.out.checkpoint_dir(self.step)
+        if self.rank == 0:
+            self.out.prepare_checkpoint(self.step)
+        torch.distributed.barrier()
+        self.engine.save_checkpoint(str(path / outputs.DS_STATE), tag=outputs.DS_TAG,
+                                    client_state={"step": self.step}, save_latest=False,
+                                    exclude_frozen_parameters=True)
+        state = self.draft_state()
+        if self.rank == 0:
+            save_draft(state, path)
+        torch.distributed.barrier()                       # every rank's DeepSpeed shard is on disk
+        if self.rank == 0:
+            self.out.mark_checkpoint(path, {"step": self.step, "total_steps": self.total,
+                                            "loss": self.last_loss, "stage": self.conf["stage"],
+                                            "config_sha256": self.origin.config_sha256})
+            self.out.rotate(self.conf["save_total_limit"], self.step)
+            self.out.event("checkpoint", self.step, path=str(path))
+        self.saved = (self.step, state)
+
+    def finish(self) -> None:
+        import torch
+
+        from longspec.checkpoint import WEIGHTS_NAME, save_draft
+
+        state = self.saved[1] if self.saved and self.saved[0] == self.step else self.draft_state()
+        if self.rank == 0:
+            weights = save_draft(state, self.out.dir / WEIGHTS_NAME)
+            self.out.event("end", self.step, final_loss=self.last_loss,
+                           elapsed_s=round(time.time() - self.started, 3))
+            self.out.write_stage_complete(
+                stage=self.conf["stage"], steps=self.step, final_loss=self.last_loss,
+                target=str(Path(self.conf["model_name_or_path"]).resolve()),
+                config_sha256=self.origin.config_sha256, draft_sha256=self.pre.draft_sha256,
+                weights=weights)
+            print0(f"[{self.conf['stage']}] done: {self.step} steps, final loss "
+                   f"{self.last_loss if self.last_loss is None else round(self.last_loss, 4)}, {weights}")
+        torch.distributed.barrier()
+        self.ok = True
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Leave the process group cleanly on every rank (a ZeRO-3 run on gloo otherwise aborts
+        at interpreter exit): barrier on success, drop the engine, destroy the group."""
+        if self.trackers is not None:
+            self.trackers.close()
+        if not self.dist_ready:
+            return
+        import gc
+
+        import torch.distributed as dist
+
+        if self.engine is not None:
+            try:
+                self.engine.destroy()
+            except Exception:
+                pass
+            self.engine = None
+        gc.collect()
+        if dist.is_initialized():
+            if self.ok:
+                dist.barrier()
+            dist.destroy_process_group()
+
+
+def _cpu_state(module) -> dict:
+    return {k: v.detach().to("cpu").clone() for k, v in module.state_dict().items()}
+
+
+def _clock(seconds: float) -> str:
+    s = int(max(seconds, 0))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def _tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as e:
+        raise TrainError(f"model_name_or_path = {path}: no usable tokenizer ({str(e).splitlines()[0]})") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _wants_offload(conf: dict) -> bool:
+    zero = (conf.get("ds_cfg") or {}).get("zero_optimization") or {}
+    device = (zero.get("offload_optimizer") or {}).get("device")
+    return device not in (None, "none")
+
+
+def _cpu_adam_error(accel) -> str | None:
+    """None when DeepSpeedCPUAdam's op builds/loads here, else why not (one line)."""
+    try:
+        accel.create_op_builder("CPUAdamBuilder").load(verbose=False)
+    except Exception as e:  # a compiler error, a missing toolchain, an unsupported CPU
+        return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    return None
+
+
+def _training_config_yaml(conf: dict, ds_conf: dict, origin: Origin) -> str:
+    from omegaconf import OmegaConf
+
+    head = (f"# resolved by longspec.train from {origin.exp_file or '(no experiment file)'}\n"
+            f"# overrides: {' '.join(origin.overrides) or '(none)'}\n"
+            f"# config_sha256: {origin.config_sha256}\n")
+    return head + OmegaConf.to_yaml(OmegaConf.create({**conf, "ds_cfg": ds_conf}))
+
+
+# ----------------------------------------------------------------------------- entry point
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [dsconfig.ConfigError, TrainError]
+    from longspec.checkpoint import DraftLoadError
+
+    errors.append(DraftLoadError)
+    try:
+        from longspec.data import DataError
+
+        errors.append(DataError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def guarded(cfg) -> int:
+    """run() with the error boundary: user mistakes -> one `error:` block, exit 1, no traceback."""
+    try:
+        return run(cfg)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except Exception as e:
+        if isinstance(e, dsconfig.ConfigError):
+            message = "invalid stage config:\n" + "\n".join(f"- {p}" for p in e.problems)
+        elif isinstance(e, _user_errors()):
+            message = str(e)
+        else:
+            import traceback
+
+            traceback.print_exc()
+            message = f"training failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if rank() == 0:
+            report_error(message)
+            _error_event(cfg, message)
+        return EXIT_ERROR
+
+
+def _error_event(cfg, message: str) -> None:
+    try:
+        out_dir = Path(cfg.get("output_dir"))
+    except Exception:
+        return
+    if out_dir.is_dir():
+        outputs.RunWriter(out_dir).event("error", _progress["step"], message=message)
+
+
+def main() -> None:
+    sys.argv = [sys.argv[0]] + take_local_rank(sys.argv[1:])
+    single_process_env()
+    _hydra_entry()
+
+
+def _make_hydra_entry():
+    import hydra
+
+    # An absolute path: the same config whether run as a module, a script or imported.
+    @hydra.main(config_path=str(Path(__file__).resolve().parent / "conf"), config_name="config",
+                version_base=None)
+    def entry(cfg) -> None:
+        code = guarded(cfg)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if code:
+            sys.exit(code)
+
+    return entry
+
+
+_hydra_entry = _make_hydra_entry()
+
+if __name__ == "__main__":
+    main()

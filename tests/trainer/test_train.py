@@ -1,0 +1,499 @@
+"""longspec.train end to end: real DeepSpeed launches (DS_ACCELERATOR=cpu) on the tiny preset.
+
+The fast tests run `python -m longspec.train` and stop before any process group exists (bad input,
+a finished stage). The slow ones launch `deepspeed --module longspec.train` with 1 or 2 CPU ranks.
+Stage files are written into tmp_path/conf the way `longspec init` lays them out (docs/DESIGN.md);
+the DeepSpeed files are the shipped templates/deepspeed/*.yaml.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from longspec import train
+from longspec_cli.core import runfolder
+
+REPO = Path(__file__).resolve().parents[2]
+TEMPLATES = REPO / "templates" / "deepspeed"
+PY = sys.executable
+DEEPSPEED = str(Path(sys.executable).parent / "deepspeed")
+LAUNCH_TIMEOUT = 900
+
+# Stage 1 as the tests run it: small enough for a shared 2-core machine, long enough to learn.
+BASE_STEPS, BASE_SAVE = 30, 10
+STAGE_TEXT = """\
+# @package _global_
+# {title}
+# Run:  deepspeed --num_gpus={gpus} --module longspec.train --config-dir {conf} +exp={stage} output_dir=...
+defaults:
+  - /deepspeed@ds_cfg: {deepspeed}
+  - _self_
+
+stage: {stage}
+model_name_or_path: {target}
+draft_model_name_or_path: {draft}
+train_file: {train_file}
+output_dir: {output_dir}
+precision: fp32
+
+data:
+  collator: {collator}
+  max_seq_length: {seq}
+  on_bad_record: error
+  train_eos: false
+
+positions:
+  mode: anchor_offset
+  anchors: 4
+  max_offset: null
+  threshold: 1200
+cross_attn_lag: 4
+
+draft:
+  sliding_window: 512
+
+learning_rate: {lr}
+weight_decay: 0.1
+adam_betas: [0.9, 0.95]
+adam_epsilon: 1.0e-6
+max_grad_norm: 1.0
+per_gpu_train_batch_size: {batch}
+gradient_accumulation_steps: {ga}
+global_batch_size: null
+num_train_epochs: 1
+max_steps: {steps}
+warmup_proportion: 0.1
+save_steps: {save}
+save_total_limit: 2
+logging_steps: 1
+seed: 42
+
+logging:
+  wandb: false
+  tensorboard: false
+"""
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> dict:
+    from longspec.tiny import build_tiny
+
+    return build_tiny(tmp_path_factory.mktemp("tiny"), family="qwen2")
+
+
+def write_project(root: Path, tiny: dict, draft: str | None = None) -> Path:
+    """root/conf/exp/{base,long}.yaml + root/conf/deepspeed/* (templates, CPU offload)."""
+    conf = root / "conf"
+    (conf / "exp").mkdir(parents=True, exist_ok=True)
+    (conf / "deepspeed").mkdir(exist_ok=True)
+    for tpl in TEMPLATES.glob("*.yaml"):
+        text = tpl.read_text().replace("{{offload_device}}", "cpu").replace("{{pin_memory}}", "false")
+        (conf / "deepspeed" / tpl.name).write_text(text)
+    stages = {
+        "base": dict(title="Stage 1 (tiny)", deepspeed="zero1_offload_cosine", collator="short_text",
+                     seq=96, lr=3.0e-3, batch=4, ga=1, steps=BASE_STEPS, save=BASE_SAVE, gpus=1),
+        "long": dict(title="Stage 2 (tiny)", deepspeed="zero3_offload_cosine", collator="long_data",
+                     seq=128, lr=1.0e-3, batch=1, ga=2, steps=4, save=2, gpus=2),
+    }
+    for stage, values in stages.items():
+        text = STAGE_TEXT.format(stage=stage, conf=conf, target=tiny["target"],
+                                 draft="null" if draft is None else draft,
+                                 train_file=tiny["data"][stage], output_dir=root / "runs" / stage,
+                                 **values)
+        (conf / "exp" / f"{stage}.yaml").write_text(text)
+    return conf
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env() -> dict:
+    e = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    e["PYTHONPATH"] = os.pathsep.join([str(REPO), e.get("PYTHONPATH", "")])
+    return e
+
+
+def launch_argv(conf: Path, stage: str, ranks: int, *overrides: str) -> list[str]:
+    return [DEEPSPEED, "--master_port", str(free_port()), "--num_gpus", str(ranks), "--module",
+            "longspec.train", "--config-dir", str(conf), f"+exp={stage}", *overrides]
+
+
+def launch(conf: Path, stage: str, ranks: int, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(launch_argv(conf, stage, ranks, *overrides), cwd=conf.parent, env=env(),
+                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+
+
+def direct(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """`python -m longspec.train ...` without a launcher (a world of one)."""
+    return subprocess.run([PY, "-m", "longspec.train", *args], cwd=cwd, env=env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+def show(proc: subprocess.CompletedProcess) -> str:
+    return f"rc={proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
+
+
+def steps_of(run_dir: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in runfolder.read_metrics(run_dir / "metrics.jsonl").steps}
+
+
+def events_of(run_dir: Path) -> list[dict]:
+    return runfolder.read_metrics(run_dir / "metrics.jsonl").events
+
+
+@pytest.fixture(scope="module")
+def base_run(tiny, tmp_path_factory) -> dict:
+    """One uninterrupted stage-1 run (1 rank, ZeRO-1 + CPU offload), shared by several tests."""
+    root = tmp_path_factory.mktemp("proj")
+    conf = write_project(root, tiny)
+    t0 = time.time()
+    proc = launch(conf, "base", 1)
+    return {"root": root, "conf": conf, "proc": proc, "run": root / "runs" / "base",
+            "seconds": time.time() - t0}
+
+
+# ----------------------------------------------------------------------------- fast: pure helpers
+
+def test_take_local_rank_strips_both_spellings(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert train.take_local_rank(["--local_rank=3", "+exp=base", "max_steps=4"]) == ["+exp=base", "max_steps=4"]
+    assert os.environ["LOCAL_RANK"] == "3"
+    monkeypatch.delenv("LOCAL_RANK")
+    assert train.take_local_rank(["--local_rank", "1", "x=1"]) == ["x=1"]
+    assert os.environ["LOCAL_RANK"] == "1"
+
+
+def test_seeded_generators_repeat_for_the_same_step_and_differ_across_steps():
+    import torch
+
+    a = torch.randint(0, 1 << 30, (4,), generator=train.seeded(42, 7, 0, 0))
+    b = torch.randint(0, 1 << 30, (4,), generator=train.seeded(42, 7, 0, 0))
+    c = torch.randint(0, 1 << 30, (4,), generator=train.seeded(42, 8, 0, 0))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def make_checkpoint(run: Path, step: int, complete: bool = True, sha: str = "cfg") -> Path:
+    from longspec import outputs
+
+    writer = outputs.RunWriter(run)
+    path = writer.prepare_checkpoint(step)
+    (path / "draft_model_weights.pth").write_bytes(b"x")
+    if complete:
+        writer.mark_checkpoint(path, {"step": step, "config_sha256": sha})
+    return path
+
+
+def test_rotation_keeps_the_newest_complete_checkpoints_and_drops_crash_leftovers(tmp_path):
+    from longspec import outputs
+
+    for step, complete in ((5, True), (10, True), (12, False), (15, True), (20, False)):
+        make_checkpoint(tmp_path, step, complete)
+    removed = outputs.RunWriter(tmp_path).rotate(keep=2, current_step=15)
+    assert sorted(p.name for p in removed) == ["checkpoint-12", "checkpoint-5"]
+    # 20 is newer than the step being saved: not ours to judge, left alone
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-10", "checkpoint-15", "checkpoint-20"]
+
+
+def test_resume_picks_the_newest_complete_checkpoint_and_refuses_another_config(tmp_path):
+    from longspec import outputs
+
+    writer = outputs.RunWriter(tmp_path)
+    origin = train.Origin(exp_file=None, overrides=[], config_sha256="cfg")
+    assert train.decide_resume(writer, origin, force=False) is None
+    make_checkpoint(tmp_path, 10)
+    make_checkpoint(tmp_path, 20, complete=False)           # killed while saving
+    assert train.decide_resume(writer, origin, force=False).step == 10
+    make_checkpoint(tmp_path, 30, sha="other")
+    with pytest.raises(train.TrainError, match="another config.*force=true"):
+        train.decide_resume(writer, origin, force=False)
+    assert train.decide_resume(writer, origin, force=True) is None
+
+
+# ----------------------------------------------------------------------------- fast: refused input
+
+def assert_refused(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 1, show(proc)
+    assert proc.stderr.lstrip().startswith("error:") or "\nerror:" in proc.stderr, show(proc)
+    assert "Traceback" not in proc.stderr, show(proc)
+    for needle in needles:
+        assert needle in proc.stderr, show(proc)
+
+
+def no_outputs(run_dir: Path) -> None:
+    assert not (run_dir / "draft_model_weights.pth").exists()
+    assert not (run_dir / "stage_complete.json").exists()
+
+
+def test_wrong_type_override_is_refused_before_the_model_loads(tiny, tmp_path):
+    conf = write_project(tmp_path, tiny)
+    t0 = time.time()
+    # the target path is broken too: a check that ran after loading it would report the target
+    proc = direct(tmp_path, "--config-dir", str(conf), "+exp=base", "max_steps=abc",
+                  "precision=fp64", "model_name_or_path=/nonexistent")
+    assert_refused(proc, "max_steps must be a number, got 'abc'", "precision = 'fp64' is not one of")
+    assert "nonexistent" not in proc.stderr
+    assert time.time() - t0 < 60
+    no_outputs(tmp_path / "runs" / "base")
+    # Hydra left no folders or logs behind (output_subdir null, run.dir '.', no job log)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["conf"]
+
+
+def test_package_header_after_a_comment_is_explained(tiny, tmp_path):
+    conf = write_project(tmp_path, tiny)
+    exp = conf / "exp" / "base.yaml"
+    exp.write_text("# a title first\n" + exp.read_text())
+    proc = direct(tmp_path, "--config-dir", str(conf), "+exp=base")
+    assert_refused(proc, "`# @package _global_` must be its first line")
+
+
+def test_unknown_key_in_the_stage_file_gets_a_suggestion(tiny, tmp_path):
+    conf = write_project(tmp_path, tiny)
+    exp = conf / "exp" / "base.yaml"
+    exp.write_text(exp.read_text().replace("learning_rate:", "learning_rat:"))
+    proc = direct(tmp_path, "--config-dir", str(conf), "+exp=base")
+    assert_refused(proc, "learning_rat: unknown key (did you mean learning_rate?)")
+
+
+def test_missing_data_file_is_refused(tiny, tmp_path):
+    conf = write_project(tmp_path, tiny)
+    proc = direct(tmp_path, "--config-dir", str(conf), "+exp=base", f"train_file={tmp_path}/nope.jsonl")
+    assert_refused(proc, "train_file", "nope.jsonl")
+    no_outputs(tmp_path / "runs" / "base")
+
+
+def test_record_without_expected_fields_is_refused_with_its_line(tiny, tmp_path):
+    conf = write_project(tmp_path, tiny)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "the cat sees the dog ."}\n{"title": "no text here"}\n')
+    proc = direct(tmp_path, "--config-dir", str(conf), "+exp=base", f"train_file={bad}")
+    assert_refused(proc, "bad.jsonl:2", "missing field 'text'")
+    no_outputs(tmp_path / "runs" / "base")
+
+
+def test_target_that_is_not_a_causal_lm_is_refused(tiny, tmp_path):
+    conf = write_project(tmp_path, tiny)
+    enc = tmp_path / "encoder"
+    enc.mkdir()
+    (enc / "config.json").write_text(json.dumps({
+        "model_type": "bert", "architectures": ["BertModel"], "hidden_size": 64,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100}))
+    proc = direct(tmp_path, "--config-dir", str(conf), "+exp=base", f"model_name_or_path={enc}")
+    assert_refused(proc, "not a causal language model")
+    no_outputs(tmp_path / "runs" / "base")
+
+
+def fresh_draft_state(target: str):
+    import torch
+    from transformers import AutoConfig
+
+    from longspec.model import DraftConfig, GlideDraft
+
+    torch.manual_seed(0)
+    return GlideDraft(DraftConfig.from_target_config(AutoConfig.from_pretrained(target))).state_dict()
+
+
+class _Payload:
+    """Unpickling this runs `touch <marker>`: what a malicious checkpoint would do."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_malicious_pickle_draft_is_refused_and_nothing_runs(tiny, tmp_path):
+    import torch
+
+    conf = write_project(tmp_path, tiny)
+    marker = tmp_path / "PWNED"
+    evil = tmp_path / "evil.pth"
+    state = dict(fresh_draft_state(tiny["target"]))
+    state["__payload__"] = _Payload(marker)
+    torch.save(state, evil)
+    with open(evil, "rb") as f:                      # the payload really is in the file
+        assert b"system" in f.read()
+    proc = direct(tmp_path, "--config-dir", str(conf), "+exp=base", f"draft_model_name_or_path={evil}")
+    assert_refused(proc, "evil.pth", "nothing from it was executed")
+    assert not marker.exists()
+    no_outputs(tmp_path / "runs" / "base")
+
+
+def test_truncated_draft_is_refused(tiny, tmp_path):
+    import torch
+
+    conf = write_project(tmp_path, tiny)
+    good = tmp_path / "good.pth"
+    torch.save(fresh_draft_state(tiny["target"]), good)
+    cut = tmp_path / "cut.pth"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    proc = direct(tmp_path, "--config-dir", str(conf), "+exp=base", f"draft_model_name_or_path={cut}")
+    assert_refused(proc, "cut.pth", "corrupt or truncated")
+    no_outputs(tmp_path / "runs" / "base")
+
+
+def test_draft_with_wrong_shapes_is_refused_naming_key_and_shapes(tiny, tmp_path):
+    import torch
+
+    conf = write_project(tmp_path, tiny)
+    state = dict(fresh_draft_state(tiny["target"]))
+    state["mlp.up_proj.weight"] = torch.zeros(7, 3)
+    wrong = tmp_path / "wrong.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in state.items()}, str(wrong))
+    proc = direct(tmp_path, "--config-dir", str(conf), "+exp=base", f"draft_model_name_or_path={wrong}")
+    assert_refused(proc, "mlp.up_proj.weight", "(7, 3)")
+    no_outputs(tmp_path / "runs" / "base")
+
+
+# ----------------------------------------------------------------------------- slow: real launches
+
+@pytest.mark.slow
+def test_stage1_one_rank_zero1_trains_and_fills_the_run_folder(base_run):
+    proc, run = base_run["proc"], base_run["run"]
+    assert proc.returncode == 0, show(proc)
+    assert "exits successfully" in proc.stdout + proc.stderr
+
+    steps = steps_of(run)
+    assert sorted(steps) == list(range(1, BASE_STEPS + 1))
+    for rec in steps.values():
+        assert set(rec) == {"step", "total_steps", "loss", "llm_loss", "lr", "tokens_per_s", "elapsed_s", "time"}
+        assert rec["total_steps"] == BASE_STEPS and rec["tokens_per_s"] > 0
+    losses = [steps[s]["loss"] for s in sorted(steps)]
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < first - 0.5, f"loss did not fall: first 5 {first:.3f}, last 5 {last:.3f}"
+
+    kinds = [e["event"] for e in events_of(run)]
+    assert kinds[0] == "start" and kinds[-1] == "end"
+    ckpt_events = [e["step"] for e in events_of(run) if e["event"] == "checkpoint"]
+    assert ckpt_events == list(range(BASE_SAVE, BASE_STEPS + 1, BASE_SAVE))
+    # save_total_limit 2: the two newest complete checkpoints stay
+    kept = runfolder.RunDir(run).checkpoints()
+    assert [c.step for c in kept] == [BASE_STEPS - BASE_SAVE, BASE_STEPS]
+    for c in kept:
+        assert (c.path / "draft_model_weights.pth").is_file() and (c.path / "ds").is_dir()
+
+    from longspec.checkpoint import load_draft_state
+    from longspec_cli.core.atomic import sha256_file
+
+    done = json.loads((run / "stage_complete.json").read_text())
+    assert done["stage"] == "base" and done["steps"] == BASE_STEPS and done["draft_sha256"] is None
+    assert done["sha256"] == sha256_file(run / "draft_model_weights.pth")
+    assert done["final_loss"] == pytest.approx(losses[-1])
+    exp = base_run["conf"] / "exp" / "base.yaml"
+    assert done["config_sha256"] == runfolder.config_fingerprint(exp, [])
+    assert (run / "draft_model_weights.safetensors").is_file()
+    state = load_draft_state(run / "draft_model_weights.pth")
+    assert set(state) == set(fresh_draft_state(done["target"]))
+    assert all(t.device.type == "cpu" for t in state.values())
+
+    import yaml
+
+    resolved = yaml.safe_load((run / "training_config.yaml").read_text())
+    assert resolved["learning_rate"] == 3.0e-3
+    assert resolved["ds_cfg"]["scheduler"]["params"]["total_num_steps"] == BASE_STEPS
+    assert resolved["ds_cfg"]["optimizer"]["params"]["lr"] == 3.0e-3
+    # the rank-0 progress line
+    assert re.search(rf"\[base\] step {BASE_STEPS}/{BASE_STEPS} loss \d+\.\d+ .* tok/s ETA", proc.stdout)
+    # nothing stray next to the project (Hydra run dirs, logs)
+    assert sorted(p.name for p in base_run["root"].iterdir()) == ["conf", "runs"]
+
+
+@pytest.mark.slow
+def test_completed_stage_is_not_retrained(base_run):
+    run = base_run["run"]
+    assert base_run["proc"].returncode == 0, show(base_run["proc"])
+    before = (run / "metrics.jsonl").read_bytes()
+    weights_mtime = (run / "draft_model_weights.pth").stat().st_mtime_ns
+    proc = direct(base_run["root"], "--config-dir", str(base_run["conf"]), "+exp=base")
+    assert proc.returncode == 0, show(proc)
+    assert "already complete" in proc.stdout
+    assert (run / "metrics.jsonl").read_bytes() == before
+    assert (run / "draft_model_weights.pth").stat().st_mtime_ns == weights_mtime
+
+
+@pytest.mark.slow
+def test_kill_9_mid_stage_then_resume_ends_like_an_uninterrupted_run(base_run, tiny, tmp_path):
+    assert base_run["proc"].returncode == 0, show(base_run["proc"])
+    conf = write_project(tmp_path, tiny)
+    run = tmp_path / "runs" / "base"
+    argv = launch_argv(conf, "base", 1)
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen(argv, cwd=tmp_path, env=env(), stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        deadline = time.time() + LAUNCH_TIMEOUT
+        try:
+            while time.time() < deadline and first.poll() is None:
+                ckpts = [e["step"] for e in events_of(run) if e["event"] == "checkpoint"] if run.exists() else []
+                if ckpts and max(steps_of(run), default=0) >= BASE_SAVE + 2:
+                    break
+                time.sleep(0.5)
+        finally:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
+    assert first.returncode == -signal.SIGKILL, (tmp_path / "first.log").read_text()[-3000:]
+    killed_at = max(steps_of(run))
+    assert BASE_SAVE + 2 <= killed_at < BASE_STEPS
+    no_outputs(run)
+
+    proc = launch(conf, "base", 1)
+    assert proc.returncode == 0, show(proc)
+    resumes = [e for e in events_of(run) if e["event"] == "resume"]
+    assert len(resumes) == 1
+    resumed_at = resumes[0]["step"]
+    assert resumed_at % BASE_SAVE == 0 and resumed_at <= killed_at
+    done = json.loads((run / "stage_complete.json").read_text())
+    reference = json.loads((base_run["run"] / "stage_complete.json").read_text())
+    assert done["steps"] == reference["steps"] == BASE_STEPS
+    assert done["config_sha256"] == runfolder.config_fingerprint(conf / "exp" / "base.yaml", [])
+
+    # the steps after the resume see the same batches, positions and optimizer state
+    ours, theirs = steps_of(run), steps_of(base_run["run"])
+    for s in range(resumed_at + 1, BASE_STEPS + 1):
+        assert ours[s]["loss"] == pytest.approx(theirs[s]["loss"], rel=1e-3, abs=1e-3), s
+        assert ours[s]["lr"] == pytest.approx(theirs[s]["lr"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_stage2_two_ranks_zero3_offload_chains_from_stage1_and_every_rank_exits_0(base_run, tiny, tmp_path):
+    """A two-rank ZeRO-3 run on gloo aborted at exit ("terminate called without an active
+    exception", -6) unless the process group is torn down; each rank must exit 0."""
+    assert base_run["proc"].returncode == 0, show(base_run["proc"])
+    stage1 = base_run["run"] / "draft_model_weights.pth"
+    conf = write_project(tmp_path, tiny, draft=str(stage1))
+    proc = launch(conf, "long", 2)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, show(proc)
+    assert len(re.findall(r"Process \d+ exits successfully", out)) == 2, show(proc)
+    assert "terminate called" not in out and "exits with return code" not in out
+
+    run = tmp_path / "runs" / "long"
+    done = json.loads((run / "stage_complete.json").read_text())
+    stage1_done = json.loads((base_run["run"] / "stage_complete.json").read_text())
+    assert done["stage"] == "long" and done["steps"] == 4
+    assert done["draft_sha256"] == stage1_done["sha256"]          # the chain is recorded
+    assert sorted(steps_of(run)) == [1, 2, 3, 4]
+    start = [e for e in events_of(run) if e["event"] == "start"][0]
+    assert start["world_size"] == 2
+
+    from longspec.checkpoint import load_draft_state
+
+    # gathered under ZeRO-3: full shapes, the same keys as stage 1, and training moved them
+    final, initial = load_draft_state(run / "draft_model_weights.pth"), load_draft_state(stage1)
+    assert {k: tuple(v.shape) for k, v in final.items()} == {k: tuple(v.shape) for k, v in initial.items()}
+    assert any(not (final[k] == initial[k]).all() for k in final)
