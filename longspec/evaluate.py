@@ -1,0 +1,496 @@
+"""Measure a stage's draft: tau, speculative vs plain tokens/s, speed-up, and losslessness.
+
+    python -m longspec.evaluate RUN_DIR [--prompts FILE] [--gamma 4] [--max-new-tokens 64]
+                                [--num-prompts 8] [--context-tokens N] [--json] [--no-write]
+
+RUN_DIR is a finished stage's output_dir. Its training_config.yaml (the resolved config the
+trainer wrote) names the target, the training data, the draft's sliding window and the stage's
+max_seq_length; stage_complete.json names the final weights. Every one of them can be given
+as a flag instead (--target, --draft, --data, --sliding-window).
+
+Prompts: --prompts FILE (JSON/JSONL: strings or {"prompt": ...} used whole; training records
+are rendered and cut), else held-out records of the stage's train_file: the last --num-prompts
+records the run never drew (the trainer's sampler is replayed from the config, seed and step
+count; eval.json says how many prompts were drawn anyway when too few were left). A record is
+tokenized as the trainer does (longspec.data.encode_record, the stage's collator) and cut to
+min(len - 1, max_seq_length - max_new_tokens) tokens (or --context-tokens), so base prompts
+are short and long/longcot prompts long, as the stage was trained.
+
+For each prompt: plain greedy decoding and greedy speculative decoding of the same target; the
+outputs must be equal token for token (`lossless`). --baseline-draft (the upstream stage's final
+draft) is decoded on the same prompts too, so eval.json's `baseline.tau` compares the two drafts
+on this stage's data (what the quality gate uses; tau on another stage's prompts is not comparable). Writes RUN_DIR/eval.json atomically and
+prints the result (one JSON object with --json). Exit codes: 0 ok, 1 not lossless or no
+finished draft, 2 usage, 3 unreadable input (draft, data, config).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+EVAL_NAME = "eval.json"
+DEFAULT_GAMMA = 4
+DEFAULT_MAX_NEW = 64
+DEFAULT_PROMPTS = 8
+MIN_CONTEXT = 8
+
+
+class EvalError(Exception):
+    """A user-facing failure with an exit code (1 refused, 2 usage, 3 unreadable input)."""
+
+    def __init__(self, message: str, code: int = 2, hint: str | None = None):
+        super().__init__(message)
+        self.message, self.code, self.hint = message, code, hint
+
+
+# ----------------------------------------------------------------------------- run folder
+
+def read_run(run_dir: Path) -> tuple[dict, dict | None]:
+    """(resolved training config or {}, stage_complete.json or None)."""
+    from longspec_cli.core import runfolder, yamlio
+
+    if not run_dir.is_dir():
+        raise EvalError(f"{run_dir}: no such run folder", 2)
+    conf: dict = {}
+    cfg_path = run_dir / "training_config.yaml"
+    if cfg_path.is_file():
+        try:
+            conf = yamlio.to_plain(yamlio.load_mapping(cfg_path).data)
+        except yamlio.YamlError as e:
+            raise EvalError(e.message, 3) from None
+    complete, why = runfolder.read_json(run_dir / runfolder.STAGE_COMPLETE)
+    if why:
+        raise EvalError(why, 3)
+    return conf, complete
+
+
+def _get(conf: dict, dotted: str, default: Any = None) -> Any:
+    node: Any = conf
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+# ----------------------------------------------------------------------------- prompts
+
+def read_prompt_file(path: Path) -> list[Any]:
+    """A --prompts file: a JSON list or JSONL of strings / objects (blank lines skipped)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise EvalError(f"{path}: no such file", 2) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise EvalError(f"{path}: cannot read ({e})", 3) from None
+    if text.lstrip().startswith("["):
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise EvalError(f"{path}: not valid JSON ({e})", 3) from None
+        return list(data)
+    out = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except ValueError as e:
+                raise EvalError(f"{path}:{i}: not valid JSON ({e})", 3) from None
+    return out
+
+
+def whole_prompt(rec: Any) -> str | None:
+    """A --prompts entry used as is: a string, or {"prompt": ...} without a response."""
+    if isinstance(rec, str):
+        return rec
+    if isinstance(rec, dict) and isinstance(rec.get("prompt"), str) and "response" not in rec:
+        return rec["prompt"]
+    return None
+
+
+def record_ids(rec: dict, tokenizer, collator: str) -> list[int] | None:
+    """The token ids the trainer makes of a record (longspec.data.encode_record, no length cap,
+    the closing EOS dropped); None for a record the collator cannot use."""
+    from longspec.data import RecordError, encode_record
+
+    try:
+        ids, _ = encode_record(rec, tokenizer, collator, 1 << 40)
+    except RecordError:
+        return None
+    if ids and ids[-1] == tokenizer.eos_token_id:
+        ids = ids[:-1]
+    return ids
+
+
+def trained_indices(n: int, conf: dict, steps: int | None) -> set[int] | None:
+    """Record indices the stage's run drew, replaying the trainer's own sampler
+    (longspec.data.ShardedBatchSampler: seeded shuffle per epoch, dealt over ranks); None when
+    that cannot be known (records skipped as bad, unknown step count or batch layout)."""
+    from longspec.data import ShardedBatchSampler
+
+    batch, accum = _get(conf, "per_gpu_train_batch_size"), _get(conf, "gradient_accumulation_steps", 1)
+    glob, seed = _get(conf, "global_batch_size"), _get(conf, "seed", 42)
+    if _get(conf, "data.on_bad_record", "error") != "error" or not isinstance(steps, int) or steps < 0 \
+            or not isinstance(batch, int) or not isinstance(accum, int) or batch < 1 or accum < 1:
+        return None
+    world = glob // (batch * accum) if isinstance(glob, int) and glob >= batch * accum else 1
+    seen: set[int] = set()
+    for rank in range(world):
+        sampler = ShardedBatchSampler(n, batch, seed, rank, world)
+        left, epoch = steps * accum, 0                    # micro-batches this rank took
+        while left > 0 and len(seen) < n:
+            mine = sampler.epoch_indices(epoch)
+            for start in range(0, len(mine), batch):
+                if left == 0:
+                    break
+                seen.update(mine[start:start + batch])
+                left -= 1
+            epoch += 1
+    return seen
+
+
+def stage_prompts(path: Path, tokenizer, conf: dict, steps: int | None, *, n: int, cap: int) -> tuple[list, dict]:
+    """The last `n` usable records of the stage's data that its run never drew, cut to `cap` tokens."""
+    from collections import deque
+
+    from longspec.data import DataError, read_records
+
+    collator = _get(conf, "data.collator", "short_text")
+    tail: deque = deque(maxlen=max(64, 16 * n))
+    count = 0
+    try:
+        for _, rec in read_records(path, _get(conf, "data.on_bad_record", "error")):
+            tail.append((count, rec))
+            count += 1
+    except (DataError, OSError) as e:
+        raise EvalError(f"{path}: {e}", 3 if not isinstance(e, FileNotFoundError) else 2) from None
+    seen = trained_indices(count, conf, steps)
+    fresh, drawn = [], []
+    for idx, rec in reversed(tail):
+        ids = record_ids(rec, tokenizer, collator)
+        if ids is None or len(ids) < MIN_CONTEXT + 1:
+            continue
+        (drawn if seen is not None and idx in seen else fresh).append(ids[: min(len(ids) - 1, cap)])
+        if len(fresh) == n:
+            break
+    prompts = (fresh + drawn)[:n][::-1]
+    if not prompts:
+        raise EvalError(f"{path}: no record usable as a prompt (collator {collator})", 3)
+    info = {"prompt_source": str(path), "records": count,
+            "records_drawn_in_training": None if seen is None else len(seen),
+            "prompts_drawn_in_training": None if seen is None else max(0, len(prompts) - len(fresh)),
+            "heldout_check": "replayed the trainer's sampler" if seen is not None else "not possible (unverified)"}
+    return prompts, info
+
+
+def file_prompts(path: Path, tokenizer, conf: dict, *, n: int, cap: int) -> tuple[list, dict]:
+    """--prompts: whole prompts as given; training-style records rendered like the trainer and cut."""
+    collator = _get(conf, "data.collator", "short_text")
+    prompts = []
+    for i, rec in enumerate(read_prompt_file(path)[:n]):
+        whole = whole_prompt(rec)
+        if whole is not None:
+            ids = tokenizer(whole)["input_ids"]           # the tokenizer's own specials, as for a document
+        elif isinstance(rec, dict):
+            ids = record_ids(rec, tokenizer, collator)
+            if ids is None:
+                raise EvalError(f"{path}: entry {i + 1} is not a prompt nor a {collator} record", 3)
+            ids = ids[: min(len(ids) - 1, cap)]
+        else:
+            raise EvalError(f"{path}: entry {i + 1} must be a string or an object", 3)
+        if ids:
+            prompts.append(ids)
+    if not prompts:
+        raise EvalError(f"{path}: no prompts", 3)
+    return prompts, {"prompt_source": str(path)}
+
+
+# ----------------------------------------------------------------------------- models
+
+def pick_device(name: str):
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise EvalError("--device cuda: no CUDA device here", 2)
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device, precision: str | None):
+    """auto: fp32 on CPU (exact comparison), the stage's precision on CUDA."""
+    import torch
+
+    table = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if name == "auto":
+        name = "fp32" if device.type == "cpu" else (precision if precision in table else "bf16")
+    return table[name]
+
+
+def load_models(target: Path, draft: Path, sliding_window: int, dtype, device):
+    """(hf_model, TargetWrapper, GlideDraft, tokenizer); EvalError 3 for an unusable draft/target."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from longspec.checkpoint import DraftLoadError
+    from longspec.model import build_glide
+
+    if not (target / "config.json").is_file():
+        raise EvalError(f"target model folder {target} has no config.json", 3,
+                        hint="pass --target PATH, or fix model_name_or_path in the stage config")
+    hf_logging.disable_progress_bar()
+    try:
+        glide = build_glide(target, sliding_window=sliding_window, draft_path=draft, dtype=dtype,
+                            attn_implementation="sdpa")
+    except DraftLoadError as e:
+        raise EvalError(str(e), 3) from None
+    except ValueError as e:            # unsupported family / a draft that does not match the target
+        raise EvalError(str(e), 3) from None
+    try:
+        tok = AutoTokenizer.from_pretrained(str(target))
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds for a missing tokenizer
+        raise EvalError(f"cannot load the target's tokenizer from {target} ({type(e).__name__}: {e})", 3) from None
+    glide.to(device)
+    glide.eval()
+    return glide.target.model, glide.target, glide.draft, tok
+
+
+# ----------------------------------------------------------------------------- measuring
+
+def measure(model, target, draft, prompts: list[list[int]], *, gamma: int, max_new_tokens: int,
+            eos_token_id: int | None, device, log=None, baseline=None) -> dict:
+    """Plain greedy and speculative decoding of every prompt; aggregate figures + per-prompt rows.
+    ``baseline``: another draft (the upstream stage's) decoded on the same prompts, for its tau."""
+    import torch
+
+    from longspec.spec_decode import GlideProposer, greedy_decode, speculative_decode
+
+    def spec(d, p, n):
+        return speculative_decode(model, GlideProposer(target, d), p, gamma, n, eos_token_id)
+
+    warm = torch.tensor([prompts[0][-16:]], device=device)     # first-call costs out of the timing
+    greedy_decode(model, warm, 4, eos_token_id), spec(draft, warm, 4)
+    rows, acc, steps, base_acc, base_steps, base_same = [], 0, 0, 0, 0, True
+    g_tok = g_time = s_tok = s_time = 0.0
+    for i, ids in enumerate(prompts):
+        p = torch.tensor([ids], device=device)
+        g, s = greedy_decode(model, p, max_new_tokens, eos_token_id), spec(draft, p, max_new_tokens)
+        same = g.tokens == s.tokens
+        first_diff = None if same else next(
+            (j for j, (a, b) in enumerate(zip(g.tokens, s.tokens)) if a != b), min(len(g.tokens), len(s.tokens)))
+        row = {"prompt_tokens": len(ids), "new_tokens": len(s.tokens), "tau": round(s.tau, 4),
+               "target_forwards": s.target_forwards, "lossless": same, "first_mismatch": first_diff}
+        if baseline is not None:
+            b = spec(baseline, p, max_new_tokens)
+            base_acc, base_steps, base_same = base_acc + sum(b.accepted), base_steps + len(b.accepted), \
+                base_same and b.tokens == g.tokens
+            row["baseline_tau"] = round(b.tau, 4)
+        rows.append(row)
+        acc, steps = acc + sum(s.accepted), steps + len(s.accepted)
+        g_tok, g_time = g_tok + max(0, len(g.tokens) - 1), g_time + g.decode_s
+        s_tok, s_time = s_tok + max(0, len(s.tokens) - 1), s_time + s.decode_s
+        if log:
+            log(f"prompt {i + 1}/{len(prompts)}: {len(ids)} tokens -> {len(s.tokens)} new, tau {s.tau:.2f}"
+                + (f" (upstream draft {row['baseline_tau']:.2f})" if baseline is not None else "")
+                + ("" if same else f", NOT LOSSLESS at token {first_diff}"))
+    spec_tps = s_tok / s_time if s_time > 0 else 0.0
+    target_tps = g_tok / g_time if g_time > 0 else 0.0
+    out = {
+        "tau": round(acc / steps, 4) if steps else 0.0,
+        "spec_tokens_per_s": round(spec_tps, 2),
+        "target_tokens_per_s": round(target_tps, 2),
+        "speedup": round(spec_tps / target_tps, 4) if target_tps > 0 else 0.0,
+        "lossless": all(r["lossless"] for r in rows),
+        "generated_tokens": int(sum(r["new_tokens"] for r in rows)),
+        "target_forwards": int(steps),
+        "per_prompt": rows,
+    }
+    if baseline is not None:
+        out["baseline"] = {"tau": round(base_acc / base_steps, 4) if base_steps else 0.0, "lossless": base_same}
+    return out
+
+
+def load_baseline(path: Path, draft, dtype, device):
+    """A second draft of the same shape (the upstream stage's), for a same-prompts comparison."""
+    from longspec.checkpoint import DraftLoadError, load_draft_state, load_draft_weights
+    from longspec.model import GlideDraft
+
+    other = GlideDraft(draft.config).to(dtype)
+    try:
+        load_draft_weights(other, load_draft_state(path))
+    except DraftLoadError as e:
+        raise EvalError(f"baseline draft: {e}", 3) from None
+    return other.to(device).eval()
+
+
+# ----------------------------------------------------------------------------- main
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m longspec.evaluate", description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dir", type=Path, help="the stage's output_dir")
+    p.add_argument("--stage", help="stage name (default: from the run folder)")
+    p.add_argument("--target", type=Path, help="target model folder (default: model_name_or_path)")
+    p.add_argument("--draft", type=Path, help="draft weights (default: the stage's final weights)")
+    p.add_argument("--data", type=Path, help="records to take prompts from (default: train_file)")
+    p.add_argument("--baseline-draft", type=Path,
+                   help="also decode the same prompts with this draft (the upstream stage's) and report its tau")
+    p.add_argument("--baseline-stage", help="name of the stage --baseline-draft comes from (for eval.json)")
+    p.add_argument("--prompts", type=Path, help="JSON/JSONL prompts file (overrides --data)")
+    p.add_argument("--num-prompts", type=int, default=DEFAULT_PROMPTS)
+    p.add_argument("--gamma", type=int, default=DEFAULT_GAMMA)
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW)
+    p.add_argument("--context-tokens", type=int, help="cut rendered records to this many tokens")
+    p.add_argument("--sliding-window", type=int, help="draft self-attention window (default: draft.sliding_window)")
+    p.add_argument("--no-eos", action="store_true", help="do not stop at the EOS token")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: stable timings)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--no-write", action="store_true", help="do not write eval.json")
+    args = p.parse_args(argv)
+    for name in ("num_prompts", "gamma", "max_new_tokens", "threads"):
+        if getattr(args, name) < 1:
+            raise EvalError(f"--{name.replace('_', '-')} must be >= 1", 2)
+    if args.context_tokens is not None and args.context_tokens < 1:
+        raise EvalError("--context-tokens must be >= 1", 2)
+    return args
+
+
+def evaluate(args: argparse.Namespace, log=None) -> dict:
+    import torch
+
+    from longspec_cli.core import runfolder
+    from longspec_cli.core.atomic import sha256_file
+
+    run_dir = args.run_dir
+    conf, complete = read_run(run_dir)
+    stage = args.stage or _get(conf, "stage") or (complete or {}).get("stage") or run_dir.name
+    draft = args.draft
+    if draft is None:
+        if complete is None:
+            raise EvalError(f"stage {stage} has no finished draft ({run_dir} has no stage_complete.json)", 1,
+                            hint="train the stage first, or pass --draft PATH")
+        draft = runfolder.RunDir(run_dir).weights_for(complete)
+    if not draft.exists():
+        raise EvalError(f"draft weights not found: {draft}", 1 if args.draft is None else 2)
+    target = args.target or _path(_get(conf, "model_name_or_path")) or _path((complete or {}).get("target"))
+    if target is None:
+        raise EvalError(f"{run_dir}: no target recorded (training_config.yaml missing)", 2, hint="pass --target PATH")
+    window = args.sliding_window or int(_get(conf, "draft.sliding_window", 512))
+    max_seq = int(_get(conf, "data.max_seq_length", 1024))
+
+    torch.manual_seed(args.seed)
+    device = pick_device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    dtype = pick_dtype(args.dtype, device, _get(conf, "precision"))
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    model, tw, gdraft, tok = load_models(target, draft, window, dtype, device)
+
+    cap = args.context_tokens or max(MIN_CONTEXT, max_seq - args.max_new_tokens)
+    if args.prompts is not None:
+        prompts, pinfo = file_prompts(args.prompts, tok, conf, n=args.num_prompts, cap=cap)
+    else:
+        data = args.data or _path(_get(conf, "train_file"))
+        if data is None:
+            raise EvalError(f"{run_dir}: no train_file recorded", 2, hint="pass --prompts FILE or --data FILE")
+        trained_on = _path(_get(conf, "train_file"))
+        same_data = trained_on is not None and Path(data).resolve() == trained_on.resolve()
+        steps = (complete or {}).get("steps") if args.draft is None and same_data else None
+        prompts, pinfo = stage_prompts(data, tok, conf, steps, n=args.num_prompts, cap=cap)
+        if not same_data:
+            pinfo["heldout_check"] = "another file than the stage's train_file"
+    eos = None if args.no_eos else tok.eos_token_id
+    if log:
+        drawn = pinfo.get("prompts_drawn_in_training")
+        log(f"[{stage}] {len(prompts)} prompts from {pinfo['prompt_source']}"
+            + (f" ({drawn} of them drawn in training)" if drawn else "")
+            + f", gamma {args.gamma}, {args.max_new_tokens} new tokens, {device.type} {str(dtype).replace('torch.', '')}")
+    baseline = None
+    if args.baseline_draft is not None:
+        if not args.baseline_draft.exists():
+            raise EvalError(f"baseline draft not found: {args.baseline_draft}", 2)
+        baseline = load_baseline(args.baseline_draft, gdraft, dtype, device)
+    figures = measure(model, tw, gdraft, prompts, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
+                      eos_token_id=eos, device=device, log=log, baseline=baseline)
+    lens = [len(p) for p in prompts]
+    result = {
+        "stage": str(stage),
+        "tau": figures["tau"],
+        "spec_tokens_per_s": figures["spec_tokens_per_s"],
+        "target_tokens_per_s": figures["target_tokens_per_s"],
+        "speedup": figures["speedup"],
+        "gamma": args.gamma,
+        "prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "context_tokens": round(sum(lens) / len(lens)),
+        "context_tokens_max": max(lens),
+        "lossless": figures["lossless"],
+        "draft_sha256": sha256_file(draft) if draft.is_file() else None,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "draft": str(draft),
+        "target": str(target),
+        **pinfo,
+        "device": device.type,
+        "dtype": str(dtype).replace("torch.", ""),
+        "sliding_window": window,
+        "generated_tokens": figures["generated_tokens"],
+        "target_forwards": figures["target_forwards"],
+        "per_prompt": figures["per_prompt"],
+    }
+    if baseline is not None:
+        bpath = args.baseline_draft
+        result["baseline"] = {**figures["baseline"], "stage": args.baseline_stage, "draft": str(bpath),
+                              "draft_sha256": sha256_file(bpath) if bpath.is_file() else None}
+    if not args.no_write:
+        from longspec_cli.core.atomic import atomic_write_json
+
+        result["eval_json"] = str(run_dir / EVAL_NAME)
+        atomic_write_json(run_dir / EVAL_NAME, result)
+    return result
+
+
+def _path(value: Any) -> Path | None:
+    return Path(str(value)).expanduser() if value not in (None, "", "???") else None
+
+
+def _print_table(r: dict) -> None:
+    print(f"stage {r['stage']}: tau {r['tau']:.2f} (gamma {r['gamma']}), "
+          f"speculative {r['spec_tokens_per_s']:.1f} tok/s vs target {r['target_tokens_per_s']:.1f} tok/s "
+          f"= x{r['speedup']:.2f}; {r['prompts']} prompts of ~{r['context_tokens']} tokens; "
+          f"lossless: {'yes' if r['lossless'] else 'NO'}"
+          + (f"; upstream draft ({r['baseline'].get('stage') or 'baseline'}) on the same prompts: "
+             f"tau {r['baseline']['tau']:.2f}" if "baseline" in r else ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    as_json = "--json" in (argv if argv is not None else sys.argv[1:])
+    log = (lambda msg: print(msg, file=sys.stderr, flush=True))
+    try:
+        args = parse_args(argv)
+        result = evaluate(args, log=log)
+    except EvalError as e:
+        print(f"error: {e.message}" + (f"\nhint: {e.hint}" if e.hint else ""), file=sys.stderr)
+        if as_json:
+            print(json.dumps({"error": e.message, "hint": e.hint, "exit_code": e.code}))
+        return e.code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps(result))
+    else:
+        _print_table(result)
+    if not result["lossless"] and result["dtype"] != "float32":
+        print(f"note: in {result['dtype']}, a (gamma+1)-token forward and a 1-token forward can round differently "
+              "and flip a near-tie; --dtype fp32 checks the decoding itself", file=sys.stderr)
+    return 0 if result["lossless"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
