@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from longspec_cli.core import yamlio
+from longspec_cli.core.yamlio import item_line, key_line
 from longspec_cli.errors import UsageError
 
 MANIFEST_NAME = "longspec.yaml"
@@ -96,7 +97,7 @@ def find_manifest(path: str | os.PathLike) -> Path:
 def load_manifest(project: str | os.PathLike) -> Manifest:
     """Read and check DIR/longspec.yaml (or the given manifest file)."""
     path = find_manifest(project)
-    doc = yamlio.load_mapping(path)
+    doc = yamlio.load_mapping(path, fast=True)  # a plain read: never edited in place
     return _build(doc, path)
 
 
@@ -157,31 +158,31 @@ def _stages(raw: Any, doc: yamlio.YamlDoc, err, root: Path) -> list[StageSpec]:
         err("`stages` must be a non-empty list of {name, config, output_dir, draft_from}", "stages")
     out: list[StageSpec] = []
     for i, entry in enumerate(raw):
-        line = _item_line(raw, i) or doc.line_of("stages")
+        line = item_line(raw, i) or doc.line_of("stages")
         if not isinstance(entry, dict):
             err(f"stages[{i}] must be a mapping {{name, config, output_dir, draft_from}}", line=line)
         for k in entry:
             if k not in STAGE_KEYS:
-                err(f"stages[{i}]: unknown key `{k}`", line=_key_line(entry, k) or line,
+                err(f"stages[{i}]: unknown key `{k}`", line=key_line(entry, k) or line,
                     hint=_did_you_mean(str(k), STAGE_KEYS) or f"allowed: {', '.join(STAGE_KEYS)}")
         vals = {}
         for k in ("name", "config", "output_dir"):
             v = entry.get(k)
             if not isinstance(v, str) or not v.strip():
-                err(f"stages[{i}].{k} must be a non-empty string; got {v!r}", line=_key_line(entry, k) or line)
+                err(f"stages[{i}].{k} must be a non-empty string; got {v!r}", line=key_line(entry, k) or line)
             vals[k] = v
         names = [s.name for s in out]
         if vals["name"] in names:
-            err(f"stages[{i}]: stage name {vals['name']!r} is used twice", line=_key_line(entry, "name") or line)
+            err(f"stages[{i}]: stage name {vals['name']!r} is used twice", line=key_line(entry, "name") or line)
         draft_from = entry.get("draft_from")
         if draft_from is not None:
             if not isinstance(draft_from, str):
-                err(f"stages[{i}].draft_from must be a stage name or null", line=_key_line(entry, "draft_from") or line)
+                err(f"stages[{i}].draft_from must be a stage name or null", line=key_line(entry, "draft_from") or line)
             if draft_from not in names:
                 later = draft_from == vals["name"] or any(
                     isinstance(e, dict) and e.get("name") == draft_from for e in raw[i:])
                 why = "must name an earlier stage" if later else "names no stage"
-                err(f"stages[{i}].draft_from {draft_from!r} {why}", line=_key_line(entry, "draft_from") or line,
+                err(f"stages[{i}].draft_from {draft_from!r} {why}", line=key_line(entry, "draft_from") or line,
                     hint=_did_you_mean(draft_from, names) or (f"earlier stages: {', '.join(names)}" if names else
                                                               "the first stage has draft_from: null"))
         out.append(StageSpec(name=vals["name"], config=_resolve(root, vals["config"]),
@@ -192,20 +193,6 @@ def _stages(raw: Any, doc: yamlio.YamlDoc, err, root: Path) -> list[StageSpec]:
 def _resolve(root: Path, value: str) -> Path:
     p = Path(os.path.expanduser(value))
     return p if p.is_absolute() else Path(os.path.normpath(root / p))
-
-
-def _item_line(seq: Any, i: int) -> int | None:
-    try:
-        return seq.lc.item(i)[0] + 1
-    except (AttributeError, KeyError, IndexError, TypeError):
-        return None
-
-
-def _key_line(mapping: Any, key: str) -> int | None:
-    try:
-        return mapping.lc.key(key)[0] + 1
-    except (AttributeError, KeyError, TypeError):
-        return None
 
 
 def _did_you_mean(word: str, choices) -> str | None:

@@ -122,7 +122,7 @@ def _draft_key(config: Path, notes: list[str]) -> str | None:
     from longspec_cli.core import yamlio
 
     try:
-        doc = yamlio.load_mapping(config)
+        doc = yamlio.load_mapping(config, fast=True)
     except yamlio.YamlError as e:
         notes.append(f"config unreadable: {e.message}")
         return None

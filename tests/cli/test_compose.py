@@ -274,3 +274,23 @@ def test_fast_parse_falls_back_to_yamlio_for_anything_unusual(text):
         assert (got.value.reason, got.value.line) == (e.reason, e.line)
     else:
         assert repr(yamlio.to_plain(fast_parse(text))) == expected
+
+
+def test_names_moved_out_of_compose_and_validate_still_import_from_there():
+    """launch/, tui/ and older code import these from compose/validate; the split must not break them."""
+    from longspec_cli.core import compose, validate
+
+    for name in ("Problem", "Origin", "Composed", "compose_file", "read_doc", "config_root", "search_roots",
+                 "resolve", "split_interpolations", "scan_placeholders", "show_placeholders", "has_placeholder",
+                 "strip_comment", "fast_parse", "LineMap", "LineList", "PLACEHOLDER", "MAX_DEFAULTS_DEPTH",
+                 "MAX_INTERP_DEPTH"):
+        assert getattr(compose, name) is not None, name
+    for name in ("Problem", "Report", "Context", "validate_paths", "validate_file", "validate_project",
+                 "FILE_CHECKS", "DEFAULT_WORLD", "LONG_CONTEXT", "WEIGHTS_NAMES", "REQUIRED", "DUPLICATES",
+                 "global_batch", "check_unknown_keys", "check_types", "check_required", "check_paths",
+                 "check_precision", "check_duplicates", "check_zero", "check_batch", "check_seq_len",
+                 "check_checkpoint_chain", "check_upstream_lineage", "Composed", "Origin", "compose_file",
+                 "has_placeholder", "read_doc", "strip_comment"):
+        assert hasattr(validate, name), name
+    assert validate.Problem is compose.Problem
+    assert len(validate.FILE_CHECKS) == 11
