@@ -50,12 +50,13 @@ def _render(manifest, stages, plan: str) -> None:
     from rich.text import Text
 
     table = Table(title=Text(f"{manifest.name}  ({manifest.root})"), title_justify="left")
-    for col in ("stage", "state", "step", "last loss", "draft from", "next action"):
-        table.add_column(col, justify="right" if col in ("step", "last loss") else "left")
+    for col in ("stage", "state", "step", "last loss", "tau", "draft from", "next action"):
+        table.add_column(col, justify="right" if col in ("step", "last loss", "tau") else "left")
     for st in stages:
         step = "-" if st.steps is None else f"{st.steps}/{st.total_steps if st.total_steps is not None else '?'}"
         loss = "-" if st.last_loss is None else f"{st.last_loss:.4f}"
-        table.add_row(Text(st.name), Text(st.state, style=f"bold {STATE_STYLE.get(st.state, '')}"), step, loss,
+        tau = "-" if st.tau is None else f"{st.tau:.2f}" + (f" (x{st.speedup:.2f})" if st.speedup else "")
+        table.add_row(Text(st.name), Text(st.state, style=f"bold {STATE_STYLE.get(st.state, '')}"), step, loss, tau,
                       Text(st.draft_from or "(fresh)"), Text(st.next_action))
     console = Console(soft_wrap=True)
     console.print(table)

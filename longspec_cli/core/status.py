@@ -41,6 +41,8 @@ class StageStatus:
     action: str = "start"  # machine form: start | resume | skip | wait | rerun | blocked
     resume_step: int | None = None
     reasons: list[str] = field(default_factory=list)  # why stale / failed / blocked, and notes
+    tau: float | None = None  # mean accepted length from eval.json, when measured on this draft
+    speedup: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -55,6 +57,23 @@ def project_status(manifest: Manifest) -> list[StageStatus]:
         out.append(st)
         by_name[spec.name] = st
     return out
+
+
+def _read_eval(st: StageStatus, spec: StageSpec) -> None:
+    """tau and speed-up from `longspec eval`, only when measured on the stage's current draft."""
+    from longspec_cli.core import quality
+
+    try:
+        ev = quality.read_eval(spec.output_dir)
+    except quality.EvalFileError as e:
+        st.reasons.append(f"ignored: {e}")
+        return
+    if ev is None:
+        return
+    if not quality.eval_is_current(ev, st.sha256):
+        st.reasons.append("eval.json was measured on another draft: run `longspec eval` again")
+        return
+    st.tau, st.speedup = ev["tau"], ev.get("speedup")
 
 
 def stage_status(spec: StageSpec, upstream: StageStatus | None = None, root: Path | None = None) -> StageStatus:
@@ -77,6 +96,7 @@ def stage_status(spec: StageSpec, upstream: StageStatus | None = None, root: Pat
         except OSError as e:
             st.reasons.append(f"cannot hash {weights}: {e.strerror or e}")
 
+    _read_eval(st, spec)
     events = rd.events()
     _progress(st, rd, complete, events)
     lifecycle = [e for e in events if e.get("event") in ("start", "resume", "end", "error")]

@@ -267,3 +267,18 @@ def test_a_stage_not_yet_pointed_at_its_upstream_draft_says_so(project, drafts):
     long = _status(project)["long"]
     assert long["draft_model_name_or_path"] == str(project.weights("base"))
     assert not any("next-stage" in r for r in long["reasons"])
+
+
+def test_tau_shows_only_when_eval_was_measured_on_the_current_draft(project, drafts):
+    finish_chain(project, drafts)
+    ev = {"stage": "base", "tau": 2.31, "gamma": 4, "lossless": True, "speedup": 1.8,
+          "draft_sha256": project.sha("base")}
+    (project.out("base") / "eval.json").write_text(json.dumps(ev))
+    (project.out("long") / "eval.json").write_text(json.dumps({**ev, "stage": "long", "draft_sha256": "0" * 64}))
+    s = _status(project)
+    assert s["base"]["tau"] == pytest.approx(2.31) and s["base"]["speedup"] == pytest.approx(1.8)
+    assert s["long"]["tau"] is None
+    assert any("another draft" in r for r in s["long"]["reasons"])
+    assert s["longcot"]["tau"] is None and s["longcot"]["reasons"] == []
+    res = runner.invoke(app, ["status", str(project.root)])
+    assert "2.31" in res.output and "x1.80" in res.output
