@@ -13,6 +13,7 @@ The draft's state-dict keys follow the LongSpec reference layer (`self_attn.*`, 
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -166,7 +167,8 @@ class GlideDraft(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_self_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_cross_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
+        # An integer arange: zero.Init casts floating tensors it creates to the training dtype.
+        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)   # not a state-dict key
         self.reset_parameters()
         for p in (self.cross_attn.k_proj.parameters(), self.cross_attn.v_proj.parameters()):
@@ -174,14 +176,16 @@ class GlideDraft(nn.Module):
                 t.requires_grad_(False)
 
     def reset_parameters(self) -> None:
+        """Reference init; also on ZeRO-3 partitioned parameters (gathered, rank 0's values kept)."""
         std = self.config.initializer_range
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, mean=0.0, std=std)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, RMSNorm):
-                nn.init.ones_(m.weight)
+        with gathered_for_update(list(self.parameters())):
+            for m in self.modules():
+                if isinstance(m, nn.Linear):
+                    nn.init.normal_(m.weight, mean=0.0, std=std)
+                    if m.bias is not None:
+                        nn.init.zeros_(m.bias)
+                elif isinstance(m, RMSNorm):
+                    nn.init.ones_(m.weight)
 
     def rotary(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Plain RoPE tables (B, T, hd) at ``position_ids`` (only for rope_type 'default')."""
@@ -277,6 +281,28 @@ def gathered(param: nn.Parameter) -> Iterator[torch.Tensor]:
             yield param
     else:
         yield param
+
+
+def gathered_for_update(params: list[nn.Parameter]):
+    """A context in which ``params`` are whole and writable; under ZeRO-3 rank 0's values are
+    broadcast and re-partitioned on exit (every rank must enter it). Plain parameters: no-op."""
+    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    if not partitioned:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0)
+
+
+def parameter_bytes(module: nn.Module) -> tuple[int, int]:
+    """(bytes of parameters this rank holds, bytes of the whole parameters). Under ZeRO-3 a rank
+    holds its partition (``ds_tensor``) plus any parameter that is currently gathered."""
+    held = whole = 0
+    for p in module.parameters():
+        part = getattr(p, "ds_tensor", None)
+        held += p.numel() * p.element_size() + (0 if part is None else part.numel() * part.element_size())
+        whole += getattr(p, "ds_numel", p.numel()) * p.element_size()
+    return held, whole
 
 
 class TargetWrapper(nn.Module):
@@ -405,19 +431,75 @@ def build_glide(
     dtype: torch.dtype = torch.bfloat16,
     attn_implementation: str | None = None,
     loss_chunk_size: int | None = None,
+    zero3_config: dict | None = None,
 ) -> GlideModel:
-    """Load (or take) the target, build a fresh draft or load one, and join them."""
+    """Load (or take) the target, build a fresh draft or load one, and join them.
+
+    ``zero3_config``: the DeepSpeed config of a ZeRO-3 run (torch.distributed initialised, every
+    rank calls this). The target and the draft are then partitioned while they are built
+    (deepspeed.zero.Init): each rank keeps its 1/world share of their parameters (plus one
+    module's, gathered, while the weights load) and only rank 0 reads the target's weights from
+    disk. The config's bf16 / fp16 blocks must say ``dtype``.
+    """
     from longspec.checkpoint import load_draft_state, load_draft_weights
 
+    if zero3_config is not None:
+        if zero3_dtype(zero3_config) != dtype:
+            raise ValueError(f"dtype {dtype} but the DeepSpeed config trains in {zero3_dtype(zero3_config)}")
+        _announce_zero3(zero3_config)
     if isinstance(target_path_or_model, nn.Module):
         hf_model = target_path_or_model
     else:
         hf_model = _load_target(Path(target_path_or_model), dtype, attn_implementation)
     cfg = DraftConfig.from_target_config(hf_model.config, sliding_window)
-    draft = GlideDraft(cfg).to(dtype)
+    if zero3_config is None:
+        draft = GlideDraft(cfg).to(dtype)
+    else:
+        import deepspeed
+
+        # No dtype= here: zero.Init takes it from the config (deepspeed 0.19 turns an explicit
+        # float32 into bfloat16 on an accelerator without fp16, e.g. the CPU).
+        with deepspeed.zero.Init(config_dict_or_path=copy.deepcopy(zero3_config)):
+            draft = GlideDraft(cfg)
     if draft_path is not None:
         load_draft_weights(draft, load_draft_state(draft_path))
     return GlideModel(TargetWrapper(hf_model), draft, loss_chunk_size)
+
+
+# transformers keeps only a weak reference to the object that says "ZeRO-3" (it then loads under
+# deepspeed.zero.Init); this one keeps it alive for the rest of the process.
+_zero3_marker: Any = None
+
+
+class _Zero3Marker:
+    """What transformers' loading reads of an HfDeepSpeedConfig (``config``, ``is_zero3()``);
+    stands in for it when `accelerate`, which HfDeepSpeedConfig requires, is not installed."""
+
+    def __init__(self, config: dict):
+        self.config = config
+
+    def is_zero3(self) -> bool:
+        return True
+
+
+def zero3_dtype(ds_config: dict) -> torch.dtype:
+    """The dtype deepspeed.zero.Init gives parameters under this config (its bf16 / fp16 blocks)."""
+    if (ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("enabled"):
+        return torch.bfloat16
+    if (ds_config.get("fp16") or {}).get("enabled"):
+        return torch.float16
+    return torch.float32
+
+
+def _announce_zero3(ds_config: dict) -> None:
+    global _zero3_marker
+    from transformers.integrations import HfDeepSpeedConfig, set_hf_deepspeed_config
+
+    try:
+        _zero3_marker = HfDeepSpeedConfig(copy.deepcopy(ds_config))
+    except ImportError:                   # accelerate missing or too old
+        _zero3_marker = _Zero3Marker(copy.deepcopy(ds_config))
+        set_hf_deepspeed_config(_zero3_marker)
 
 
 def _load_target(path: Path, dtype: torch.dtype, attn_implementation: str | None) -> nn.Module:
@@ -436,5 +518,5 @@ def _load_target(path: Path, dtype: torch.dtype, attn_implementation: str | None
 
 __all__ = [
     "DraftConfig", "GlideDraft", "TargetWrapper", "TargetOutput", "GlideModel", "build_glide",
-    "next_token_loss", "gathered", "apply_rope",
+    "next_token_loss", "gathered", "gathered_for_update", "parameter_bytes", "zero3_dtype", "apply_rope",
 ]

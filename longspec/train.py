@@ -392,13 +392,20 @@ class Session:
         import torch
 
         from longspec.checkpoint import load_draft_weights
-        from longspec.model import build_glide
+        from longspec.model import build_glide, parameter_bytes
 
         conf = self.conf
         torch.manual_seed(conf["seed"])                  # the same fresh draft on every rank
         dtype = getattr(torch, DTYPES[conf["precision"]])
+        # ZeRO-3: partitioned while built, so no rank ever holds a whole copy of the target.
+        zero3 = ds_conf if (ds_conf.get("zero_optimization") or {}).get("stage") == 3 else None
         model = build_glide(conf["model_name_or_path"], sliding_window=conf["draft"]["sliding_window"],
-                            dtype=dtype, loss_chunk_size=conf["loss_chunk_size"])
+                            dtype=dtype, loss_chunk_size=conf["loss_chunk_size"], zero3_config=zero3)
+        if zero3 is not None:
+            (t_held, t_whole), (d_held, d_whole) = parameter_bytes(model.target), parameter_bytes(model.draft)
+            print(f"[{conf['stage']}] rank {self.rank}: ZeRO-3 partitioned at load: target "
+                  f"{t_held:,} of {t_whole:,} bytes, draft {d_held:,} of {d_whole:,} bytes on this rank",
+                  flush=True)
         if self.pre.draft_state is not None:
             load_draft_weights(model.draft, self.pre.draft_state)
             self.pre.draft_state = None

@@ -482,6 +482,15 @@ def test_stage2_two_ranks_zero3_offload_chains_from_stage1_and_every_rank_exits_
     assert len(re.findall(r"Process \d+ exits successfully", out)) == 2, show(proc)
     assert "terminate called" not in out and "exits with return code" not in out
 
+    # each rank built the target and the draft already partitioned: about half of each, never all
+    built = re.findall(r"rank (\d+): ZeRO-3 partitioned at load: target ([\d,]+) of ([\d,]+) bytes, "
+                       r"draft ([\d,]+) of ([\d,]+) bytes", proc.stdout)
+    assert sorted(int(b[0]) for b in built) == [0, 1], show(proc)
+    for _, *figures in built:
+        t_held, t_whole, d_held, d_whole = (int(f.replace(",", "")) for f in figures)
+        assert_half(t_held, t_whole)
+        assert_half(d_held, d_whole)
+
     run = tmp_path / "runs" / "long"
     done = json.loads((run / "stage_complete.json").read_text())
     stage1_done = json.loads((base_run["run"] / "stage_complete.json").read_text())
@@ -497,3 +506,60 @@ def test_stage2_two_ranks_zero3_offload_chains_from_stage1_and_every_rank_exits_
     final, initial = load_draft_state(run / "draft_model_weights.pth"), load_draft_state(stage1)
     assert {k: tuple(v.shape) for k, v in final.items()} == {k: tuple(v.shape) for k, v in initial.items()}
     assert any(not (final[k] == initial[k]).all() for k in final)
+
+
+def assert_half(held: int, whole: int, world: int = 2) -> None:
+    """A rank holds its 1/world share of the parameter bytes (plus a little partition padding)."""
+    assert whole > 0 and whole / world <= held <= whole / world * 1.02, (held, whole)
+
+
+ZERO3_BUILD = """
+import json, sys
+import torch, deepspeed
+from longspec.checkpoint import gather_draft_state
+from longspec.model import build_glide, parameter_bytes
+
+target, out = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
+deepspeed.init_distributed(dist_backend="gloo")
+rank = torch.distributed.get_rank()
+ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+      "zero_optimization": {"stage": 3}}
+torch.manual_seed(0)
+plain = build_glide(target, sliding_window=8, dtype=torch.float32)
+torch.manual_seed(0)
+model = build_glide(target, sliding_window=8, dtype=torch.float32, zero3_config=ds)
+record = {"plain": parameter_bytes(plain.target), "target": parameter_bytes(model.target),
+          "draft": parameter_bytes(model.draft),
+          "draft_dtype": str(model.draft.self_attn.q_proj.weight.dtype),
+          "partitioned": [n for n, p in model.named_parameters() if hasattr(p, "ds_id")],
+          "names": [n for n, _ in model.named_parameters()]}
+for name in ("target", "draft"):
+    whole, ref = gather_draft_state(getattr(model, name)), getattr(plain, name).state_dict()
+    record[name + "_differs"] = sorted(k for k in ref if k not in whole or not torch.equal(ref[k], whole[k]))
+with open(f"{out}.{rank}.json", "w") as f:
+    json.dump(record, f)
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_zero3_build_partitions_target_and_draft_on_each_rank_with_unchanged_values(tiny, tmp_path):
+    """Under ZeRO-3 build_glide partitions while it builds: each of 2 ranks holds half of the
+    target's and the draft's parameter bytes, and gathered they equal a plain build (the target's
+    weights loaded, the draft's seeded init applied)."""
+    script = tmp_path / "zero3_build.py"
+    script.write_text(ZERO3_BUILD)
+    out = tmp_path / "built"
+    proc = subprocess.run([DEEPSPEED, "--master_port", str(free_port()), "--num_gpus", "2", str(script),
+                           tiny["target"], str(out)], cwd=tmp_path, env=env(), capture_output=True,
+                          text=True, timeout=LAUNCH_TIMEOUT)
+    assert proc.returncode == 0, show(proc)
+    for rank in (0, 1):
+        r = json.loads(Path(f"{out}.{rank}.json").read_text())
+        assert r["partitioned"] == r["names"]                  # every parameter, target and draft
+        assert r["plain"][0] == r["plain"][1] == r["target"][1]  # without ZeRO-3: the whole target
+        assert_half(*r["target"])
+        assert_half(*r["draft"])
+        assert r["target_differs"] == [] and r["draft_differs"] == []
+        assert r["draft_dtype"] == "torch.float32"
