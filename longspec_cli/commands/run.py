@@ -1,0 +1,84 @@
+"""`longspec run DIR [STAGE] [key=value ...]`: launch stages with DeepSpeed, one process group each."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from longspec_cli.errors import run_cli
+
+EPILOG = """Examples:
+
+  longspec run demo --all                      every remaining stage, chained
+
+  longspec run demo base --dry-run             print the deepspeed command and the memory estimate
+
+  longspec run demo long --gpus 4 max_steps=100 learning_rate=1e-5
+
+  longspec run demo --all --hostfile hosts --num-nodes 2 --master-addr node0
+
+  longspec run demo --all --slurm --gpus 8 --num-nodes 4 --submit
+
+Without STAGE and --all: the next stage that is not done. A finished stage whose config and
+input draft are unchanged is skipped; an interrupted one resumes from its newest checkpoint.
+Without a visible GPU the run uses DeepSpeed's CPU accelerator (--gpus ranks, default 1).
+Exit codes: 0 done, 1 refused (validation errors, stage running), 2 usage (bad flag or
+override), 4 a stage failed, 130 interrupted (no process is left behind)."""
+
+
+def split_args(args: list[str]) -> tuple[Optional[str], list[str]]:
+    """[STAGE] key=value ... -> (stage or None, overrides). Only the first word may be a stage."""
+    if args and "=" not in args[0] and not args[0].startswith(("+", "~")):
+        return args[0], list(args[1:])
+    return None, list(args)
+
+
+def run(
+    project_dir: Path = typer.Argument(..., help="Project folder (or its longspec.yaml).", show_default=False),
+    args: Optional[List[str]] = typer.Argument(None, help="[STAGE] then Hydra overrides key=value.",
+                                               show_default=False, metavar="[STAGE] [KEY=VALUE]..."),
+    all_: bool = typer.Option(False, "--all", help="Run the remaining stages in order, chaining each draft."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the commands and memory estimates; start nothing."),
+    force: bool = typer.Option(False, "--force", help="Launch despite validation errors; re-run a finished STAGE."),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="GPUs (CPU: ranks) per node."),
+    include: Optional[str] = typer.Option(None, "--include", help="DeepSpeed resource filter, e.g. localhost:0,2."),
+    hostfile: Optional[Path] = typer.Option(None, "--hostfile", help="DeepSpeed hostfile (`HOST slots=N` lines)."),
+    num_nodes: Optional[int] = typer.Option(None, "--num-nodes", help="Use the first N hosts of the hostfile."),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Address of node 0."),
+    master_port: Optional[int] = typer.Option(None, "--master-port", help="Rendezvous port (default 29500, "
+                                              "or a free one when that is taken locally)."),
+    launcher: Optional[str] = typer.Option(None, "--launcher", help="Multi-node backend: pdsh, openmpi, mvapich, slurm."),
+    gpu_mem: Optional[float] = typer.Option(None, "--gpu-mem", help="GPU memory in GiB for the estimate "
+                                            "(default: what nvidia-smi reports)."),
+    slurm: bool = typer.Option(False, "--slurm", help="Write an sbatch script (DIR/longspec.sbatch) instead of launching."),
+    submit: bool = typer.Option(False, "--submit", help="With --slurm: submit it with sbatch."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not echo the training log (progress line only)."),
+) -> None:
+    """Launch training stages with DeepSpeed (progress line, train.log, Ctrl-C stops every rank)."""
+
+    def body() -> None:
+        from longspec_cli.errors import UsageError
+        from longspec_cli.launch import argv as A
+        from longspec_cli.launch import pipeline
+
+        stage, overrides = split_args(list(args or []))
+        if submit and not slurm:
+            raise UsageError("--submit goes with --slurm")
+        placement = A.Placement(gpus=gpus, include=include, hostfile=hostfile, num_nodes=num_nodes,
+                                master_addr=master_addr, master_port=master_port, launcher=launcher)
+        req = pipeline.RunRequest(project=project_dir, stage=stage, all=all_, dry_run=dry_run, force=force,
+                                  overrides=overrides, placement=placement, gpu_mem_gib=gpu_mem, quiet=quiet)
+        if slurm:
+            from longspec_cli.launch.slurm import write_slurm
+
+            write_slurm(req, submit=submit)
+            return
+        pipeline.run_request(req)
+
+    run_cli(body)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("run", epilog=EPILOG, context_settings={"allow_interspersed_args": True})(run)

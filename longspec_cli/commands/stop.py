@@ -1,0 +1,68 @@
+"""`longspec stop DIR [STAGE]`: stop a running stage from another terminal (every rank, no leftovers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from longspec_cli.errors import run_cli
+
+EPILOG = """Examples:
+
+  longspec stop demo            stop whichever stage of demo is running
+
+  longspec stop demo long --timeout 30
+
+The run's process group gets SIGINT, then SIGTERM, then SIGKILL, until none of its processes is
+left. run.json must still name a live process of that run (pid, start time, host): a stale
+run.json whose pid now belongs to another process is never signalled.
+Exit codes: 0 stopped, 1 nothing running, 2 usage."""
+
+
+def stop(
+    project_dir: Path = typer.Argument(..., help="Project folder (or its longspec.yaml).", show_default=False),
+    stage: Optional[str] = typer.Argument(None, help="Stage to stop (default: any running stage).",
+                                          show_default=False),
+    timeout: float = typer.Option(15.0, "--timeout", help="Seconds after SIGINT (and again after "
+                                  "SIGTERM) before the next signal."),
+) -> None:
+    """Stop a running training stage: SIGINT, then SIGTERM, then SIGKILL to its process group."""
+
+    def body() -> None:
+        from longspec_cli.core import runfolder
+        from longspec_cli.core.manifest import load_manifest
+        from longspec_cli.errors import RefusedError, UsageError
+        from longspec_cli.launch import process
+
+        if timeout < 0:
+            raise UsageError("--timeout must be >= 0")
+        manifest = load_manifest(project_dir)
+        specs = [manifest.stage(stage)] if stage else manifest.stages
+        stopped, stale = [], []
+        for spec in specs:
+            info, _ = runfolder.read_json(spec.output_dir / runfolder.RUN_INFO)
+            if info is None:
+                continue
+            outcome = process.stop_run(spec.output_dir, spec.name, grace_int=timeout, grace_term=timeout,
+                                       say=typer.echo)
+            if outcome is None:
+                if info.get("returncode") is None:
+                    stale.append(f"{spec.name} (run.json pid {info.get('pid')})")
+                continue
+            left = f"; {len(outcome.remaining)} process(es) remain" if outcome.remaining else ""
+            typer.echo(f"stopped {spec.name}: process group {outcome.pid} ended after {outcome.signal}{left}")
+            stopped.append(spec.name)
+        if not stopped:
+            what = f"stage {stage}" if stage else f"any stage of {manifest.name}"
+            detail = (f"; stale run.json left alone (its process is gone or is another program): "
+                      f"{', '.join(stale)}") if stale else ""
+            raise RefusedError(f"nothing to stop: {what} is not running{detail}",
+                               hint=f"`longspec status {manifest.root}` shows each stage's state")
+
+    run_cli(body)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("stop", epilog=EPILOG)(stop)

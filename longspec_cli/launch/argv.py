@@ -1,0 +1,365 @@
+"""The DeepSpeed launcher command line of one stage, built as an argv list (never a shell string).
+
+    deepspeed [--num_gpus N | --include SPEC] [--hostfile F --num_nodes N --master_addr A
+              --launcher L] [--master_port P] --no_local_rank --module longspec.train
+              --config-dir DIR/conf +exp=STAGE output_dir=/abs/run/folder [key=value ...]
+
+`--no_local_rank`: the launcher would otherwise append `--local_rank=N`, which Hydra rejects; each
+rank reads LOCAL_RANK from its environment instead. Without a visible GPU the command runs on CPU
+(env DS_ACCELERATOR=cpu) with `--gpus` ranks, or 1.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from importlib.util import find_spec
+from pathlib import Path
+
+from longspec_cli.errors import RefusedError, UsageError
+
+LAUNCHERS = ("pdsh", "openmpi", "mvapich", "slurm")
+TRAINER_MODULE = "longspec.train"
+DEFAULT_MASTER_PORT = 29500  # DeepSpeed's own default (TORCH_DISTRIBUTED_DEFAULT_PORT)
+INSTALL_HINT = "install the training extra: pip install 'longspec[train]'"
+# Keys that the launcher sets itself; an override of them would silently move the run folder.
+RESERVED_KEYS = {"output_dir": "the run folder comes from longspec.yaml (stages[].output_dir)"}
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: str
+    name: str
+    memory_mib: int
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the ranks go, as the user asked (None = not given)."""
+
+    gpus: int | None = None  # per node
+    include: str | None = None
+    hostfile: Path | None = None
+    num_nodes: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    launcher: str | None = None
+
+    @property
+    def multi_node(self) -> bool:
+        return self.hostfile is not None
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What the launch will use: CPU or GPU, ranks per node, nodes."""
+
+    cpu: bool
+    ranks_per_node: int
+    nodes: int
+    gpus: tuple[Gpu, ...] = ()
+    pinned: bool = False  # CUDA_VISIBLE_DEVICES names the GPUs: launch on those, by --include
+
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks_per_node * self.nodes
+
+
+@dataclass(frozen=True)
+class LaunchCommand:
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # added to the inherited environment
+    world_size: int = 1
+    cpu: bool = False
+
+    def shell(self) -> str:
+        """The command as one line a user can paste into a POSIX shell."""
+        prefix = ["env", *(f"{k}={v}" for k, v in self.env.items())] if self.env else []
+        return shlex.join(prefix + self.argv)
+
+
+# ------------------------------------------------------------------------------------ GPUs
+
+def detect_gpus(env: dict[str, str] | None = None, timeout: float = 10.0) -> list[Gpu]:
+    """The GPUs this process may use: nvidia-smi's list, filtered by CUDA_VISIBLE_DEVICES.
+
+    An empty CUDA_VISIBLE_DEVICES (or -1), no nvidia-smi, or a failing nvidia-smi mean no GPU.
+    """
+    env = os.environ if env is None else env
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return []
+    smi = shutil.which("nvidia-smi", path=env.get("PATH"))
+    if smi is None:
+        return []
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=index,uuid,name,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=timeout, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    rows = []
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < 4:
+            continue
+        try:
+            rows.append((parts[0], parts[1], parts[2], int(float(parts[3]))))
+        except ValueError:
+            continue
+    if visible is not None:
+        wanted = [v.strip() for v in visible.split(",") if v.strip()]
+        rows = [r for w in wanted for r in rows if w in (r[0], r[1])]
+    return [Gpu(index=r[0], name=r[2], memory_mib=r[3]) for r in rows]
+
+
+# ------------------------------------------------------------------------------- hostfile
+
+_HOST_LINE = re.compile(r"^(\S+)\s+slots=(\d+)\s*$")
+
+
+def parse_hostfile(path: Path) -> dict[str, int]:
+    """host -> slots, from an MPI-style hostfile (`worker-0 slots=8`), as DeepSpeed reads it."""
+    if not path.is_file():
+        raise UsageError(f"hostfile {path} not found", hint="pass --hostfile PATH to an existing file")
+    hosts: dict[str, int] = {}
+    for n, raw in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _HOST_LINE.match(line)
+        if not m:
+            raise UsageError(f"{path}:{n}: bad hostfile line {line!r}",
+                             hint="each line is `HOSTNAME slots=N`, e.g. `worker-0 slots=8`")
+        if m.group(1) in hosts:
+            raise UsageError(f"{path}:{n}: host {m.group(1)!r} listed twice")
+        hosts[m.group(1)] = int(m.group(2))
+    if not hosts:
+        raise UsageError(f"hostfile {path} lists no host", hint="add lines like `worker-0 slots=8`")
+    return hosts
+
+
+def _include_slots(include: str) -> dict[str, int | None]:
+    """`host:0,1@host2` -> {host: 2, host2: None (all slots)}."""
+    out: dict[str, int | None] = {}
+    for spec in include.split("@"):
+        if not spec:
+            raise UsageError(f"bad --include {include!r}",
+                             hint="NAME[:SLOT[,SLOT...]][@NAME...], e.g. localhost:0,1")
+        host, _, slots = spec.partition(":")
+        if slots:
+            try:
+                ids = {int(s) for s in slots.split(",")}
+            except ValueError:
+                raise UsageError(f"bad --include {include!r}: slots must be integers") from None
+            out[host] = len(ids)
+        else:
+            out[host] = None
+    return out
+
+
+# ------------------------------------------------------------------------------ resources
+
+def resolve_resources(p: Placement, gpus: list[Gpu], manifest_gpus: int | None = None,
+                      force: bool = False, env: dict[str, str] | None = None) -> Resources:
+    """Decide CPU or GPU and how many ranks, refusing combinations DeepSpeed would reject."""
+    env = os.environ if env is None else env
+    if p.gpus is not None and p.gpus < 1:
+        raise UsageError("--gpus must be at least 1")
+    if p.gpus is not None and p.include:
+        raise UsageError("--gpus and --include cannot be combined", hint="DeepSpeed accepts one of them")
+    if p.num_nodes is not None and p.num_nodes < 1:
+        raise UsageError("--num-nodes must be at least 1")
+    if p.launcher is not None and p.launcher not in LAUNCHERS:
+        raise UsageError(f"unknown launcher {p.launcher!r}", hint="one of " + ", ".join(LAUNCHERS))
+    if p.master_port is not None and not 0 < p.master_port < 65536:
+        raise UsageError(f"--master-port {p.master_port} is not a TCP port")
+    if not p.multi_node and (p.num_nodes or 1) > 1:
+        raise UsageError(f"--num-nodes {p.num_nodes} needs a hostfile",
+                         hint="pass --hostfile PATH (lines `HOST slots=N`), or use --slurm")
+
+    if p.multi_node:
+        hosts = parse_hostfile(p.hostfile)
+        if p.include:
+            chosen = _include_slots(p.include)
+            unknown = [h for h in chosen if h not in hosts]
+            if unknown:
+                raise UsageError(f"--include names host(s) not in the hostfile: {', '.join(unknown)}")
+            per_node = [n if n is not None else hosts[h] for h, n in chosen.items()]
+        else:
+            names = list(hosts)[: p.num_nodes] if p.num_nodes else list(hosts)
+            if p.num_nodes and p.num_nodes > len(hosts):
+                raise UsageError(f"--num-nodes {p.num_nodes} but the hostfile lists {len(hosts)} host(s)")
+            per_node = [p.gpus or hosts[h] for h in names]
+        # DeepSpeed needs no uniform slot count, but the memory estimate uses the smallest node.
+        # The GPUs are on the hosts, not necessarily here (a login node): never fall back to CPU.
+        return Resources(cpu=False, ranks_per_node=min(per_node), nodes=len(per_node), gpus=tuple(gpus))
+
+    if p.include:
+        chosen = _include_slots(p.include)
+        if len(chosen) != 1:
+            raise UsageError("--include with several hosts needs --hostfile")
+        (n,) = chosen.values()
+        ranks = n if n is not None else max(len(gpus), 1)
+    else:
+        ranks = p.gpus or (1 if not gpus else (manifest_gpus or len(gpus)))
+    if gpus and ranks > len(gpus) and not force:
+        raise RefusedError(
+            f"{ranks} GPU rank(s) asked for but {len(gpus)} GPU(s) visible on this machine",
+            hint=f"pass --gpus {len(gpus)} (or set launch.gpus in longspec.yaml), or --force",
+        )
+    pinned = bool(gpus) and bool(env.get("CUDA_VISIBLE_DEVICES", "").strip()) and not p.include
+    return Resources(cpu=not gpus, ranks_per_node=ranks, nodes=1, gpus=tuple(gpus), pinned=pinned)
+
+
+# --------------------------------------------------------------------------------- command
+
+def deepspeed_command() -> list[str]:
+    """The `deepspeed` runner of this Python environment, or a clear refusal if it is missing."""
+    missing = [m for m in ("deepspeed", "torch") if find_spec(m) is None]
+    if missing:
+        raise RefusedError(f"{' and '.join(missing)} not installed in {sys.prefix}, so longspec "
+                           "cannot start training", hint=INSTALL_HINT)
+    beside = Path(sys.executable).parent / "deepspeed"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return [str(beside)]
+    # The `deepspeed` script is the runner's main(); running it with this interpreter keeps the
+    # ranks in the same environment as longspec itself.
+    return [sys.executable, "-m", "deepspeed.launcher.runner"]
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def trainer_args(conf_dir: Path, stage: str, output_dir: Path, overrides: list[str],
+                 module: str = TRAINER_MODULE) -> list[str]:
+    """What follows the launcher flags: the module and its Hydra arguments."""
+    return ["--module", module, "--config-dir", str(Path(conf_dir).resolve()), f"+exp={stage}",
+            f"output_dir={Path(output_dir).resolve()}", *overrides]
+
+
+def launcher_flags(p: Placement, r: Resources, *, pick_port: bool = True) -> list[str]:
+    """DeepSpeed runner flags for the placement (flag names as in deepspeed/launcher/runner.py)."""
+    flags: list[str] = []
+    if p.multi_node:
+        flags += ["--hostfile", str(Path(p.hostfile).resolve())]
+        if p.num_nodes:
+            flags += ["--num_nodes", str(p.num_nodes)]
+    if p.include:
+        flags += ["--include", p.include]
+    elif r.pinned and not p.multi_node:
+        # DeepSpeed drops CUDA_VISIBLE_DEVICES when --num_gpus is given; name the GPUs instead.
+        flags += ["--include", "localhost:" + ",".join(g.index for g in r.gpus[: r.ranks_per_node])]
+    elif p.gpus is not None or not p.multi_node:
+        flags += ["--num_gpus", str(r.ranks_per_node)]
+    if p.master_addr:
+        flags += ["--master_addr", p.master_addr]
+    port = p.master_port
+    if port is None and pick_port and not p.multi_node and not port_is_free(DEFAULT_MASTER_PORT):
+        port = free_port()  # another job (or test) on this machine holds DeepSpeed's default
+    if port is not None:
+        flags += ["--master_port", str(port)]
+    if p.launcher:
+        flags += ["--launcher", p.launcher]
+    return flags + ["--no_local_rank"]
+
+
+def cpu_env(r: Resources, inherited: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment added for a CPU run: the CPU accelerator, and cores split between the ranks."""
+    if not r.cpu:
+        return {}
+    inherited = os.environ if inherited is None else inherited
+    env = {"DS_ACCELERATOR": "cpu"}
+    if "OMP_NUM_THREADS" not in inherited:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        env["OMP_NUM_THREADS"] = str(max(1, cores // r.ranks_per_node))
+    return env
+
+
+def build_launch(p: Placement, r: Resources, conf_dir: Path, stage: str, output_dir: Path,
+                 overrides: list[str], *, launcher: list[str] | None = None,
+                 pick_port: bool = True, module: str = TRAINER_MODULE) -> LaunchCommand:
+    argv = (launcher or deepspeed_command()) + launcher_flags(p, r, pick_port=pick_port) \
+        + trainer_args(conf_dir, stage, output_dir, overrides, module)
+    return LaunchCommand(argv=argv, env=cpu_env(r), world_size=r.world_size, cpu=r.cpu)
+
+
+# ------------------------------------------------------------------------------- overrides
+
+_KEY = re.compile(r"^(\+\+|\+|~)?[A-Za-z_][\w\-]*(\.[\w\-]+)*(/[\w\-]+)*(@[\w.\-/]+)?$")
+_PAIRS = {"[": "]", "{": "}", "(": ")"}
+
+
+def _balanced(value: str) -> bool:
+    stack: list[str] = []
+    quote: str | None = None
+    escaped = False
+    for ch in value:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif quote:
+            if ch == quote:
+                quote = None
+        elif ch in ("'", '"'):
+            quote = ch
+        elif ch in _PAIRS:
+            stack.append(_PAIRS[ch])
+        elif ch in _PAIRS.values():
+            if not stack or stack.pop() != ch:
+                return False
+    return quote is None and not stack
+
+
+def check_overrides(overrides: list[str], known_top_level: set[str] | None = None) -> list[str]:
+    """Refuse (exit 2) what Hydra would reject, before anything starts; returns them unchanged.
+
+    known_top_level: the stage config's top-level keys (schema); `+key=...` may add new keys.
+    """
+    bad: list[str] = []
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        if not eq and not key.startswith("~"):
+            bad.append(f"{item!r}: no '=' (overrides are key=value)")
+        elif not _KEY.match(key):
+            bad.append(f"{item!r}: {key!r} is not a config key")
+        elif not _balanced(value):
+            bad.append(f"{item!r}: unbalanced quotes or brackets in the value")
+        else:
+            bare = key.lstrip("+~").split("@")[0]
+            top = bare.split(".")[0].split("/")[0]
+            if bare in RESERVED_KEYS:
+                bad.append(f"{item!r}: {RESERVED_KEYS[bare]}")
+            elif (known_top_level is not None and not key.startswith(("+", "~")) and top != "hydra"
+                  and top not in known_top_level):
+                import difflib
+
+                close = difflib.get_close_matches(top, sorted(known_top_level), n=1)
+                bad.append(f"{item!r}: unknown key {top!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    if bad:
+        raise UsageError("bad override(s): " + "; ".join(bad),
+                         hint="write overrides as key=value with a key of the stage config, "
+                              "e.g. learning_rate=1e-4 data.max_seq_length=2048")
+    return overrides

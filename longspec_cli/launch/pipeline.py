@@ -1,0 +1,585 @@
+"""`longspec run`: which stages run, the preflight, the launches, chaining between them.
+
+    plan      status of every stage -> skip (done, same config, same input draft) | start |
+              resume (complete checkpoints) | rerun (done or stale: the old run folder is moved
+              aside, the stage starts fresh); every stage downstream of a (re)run reruns too
+    preflight overrides (exit 2), validation of the stages that will run (errors refuse unless
+              --force), DeepSpeed importable, memory estimate vs the GPUs (a warning)
+    execute   per stage: chain its draft from the upstream (core.chain, as `next-stage`), validate
+              it, launch (process.py), require stage_complete.json; stop at the first failure
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, TextIO
+
+from longspec_cli.core import runfolder
+from longspec_cli.core.manifest import Manifest, StageSpec
+from longspec_cli.errors import INTERRUPTED, LongspecError, RefusedError, RunFailed, UsageError
+from longspec_cli.launch import argv as A
+from longspec_cli.launch import memory as M
+
+TRAINER_ONLY_KEYS = {"force"}  # in longspec/conf/config.yaml but not in a stage file's schema
+# Overrides that say where or whether to run, not what to train: the trainer leaves them out of
+# config_sha256 (longspec/train.py `_origin_only`), so the launcher does too.
+ORIGIN_ONLY_KEYS = ("exp", "output_dir", "force")
+
+
+@dataclass
+class RunRequest:
+    project: Path
+    stage: str | None = None
+    all: bool = False
+    dry_run: bool = False
+    force: bool = False
+    overrides: list[str] = field(default_factory=list)
+    placement: A.Placement = field(default_factory=A.Placement)
+    gpu_mem_gib: float | None = None
+    quiet: bool = False
+    grace_int: float | None = None
+    grace_term: float | None = None
+    checked: dict[str, tuple | None] = field(default_factory=dict)  # config -> file state at preflight
+
+
+@dataclass
+class StagePlan:
+    spec: StageSpec
+    action: str  # start | resume | rerun | skip
+    reason: str = ""
+    resume_step: int | None = None
+    wall_s: float | None = None  # set once its launch has ended
+
+
+@dataclass
+class StageOutcome:
+    name: str
+    action: str
+    result: str  # done | skipped | failed | interrupted | not run
+    steps: int | None = None
+    first_loss: float | None = None
+    last_loss: float | None = None
+    tokens_per_s: float | None = None
+    wall_s: float | None = None
+    sha256: str | None = None
+    note: str = ""
+
+    def row(self) -> list[str]:
+        f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
+        return [self.name, self.action, self.result, f(self.steps, "d"), f(self.first_loss, ".4f"),
+                f(self.last_loss, ".4f"), f(self.tokens_per_s, ",.0f"), f(self.wall_s, ".1f"),
+                (self.sha256 or "-")[:16]]
+
+
+SUMMARY_HEADER = ["stage", "action", "result", "steps", "first loss", "last loss", "tokens/s", "wall s", "sha256"]
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+def exp_location(spec: StageSpec) -> tuple[Path, str]:
+    """(conf dir, exp name) for `--config-dir CONF +exp=NAME`: the config must be CONF/exp/NAME.yaml."""
+    cfg = spec.config
+    parts = cfg.parent.parts
+    if "exp" not in parts:
+        raise UsageError(f"stage {spec.name}: {cfg} is not inside a conf/exp/ folder",
+                         hint="Hydra reads a stage as --config-dir CONF +exp=NAME from CONF/exp/NAME.yaml")
+    i = len(parts) - 1 - parts[::-1].index("exp")
+    conf = Path(*parts[:i])
+    name = "/".join(parts[i + 1:] + (cfg.stem,))
+    return conf, name
+
+
+_COMPOSED: dict[tuple, Any] = {}
+
+
+def composed(path: Path):
+    """compose_file(path), remembered while the file is unchanged (a chain edit changes it)."""
+    from longspec_cli.core import compose
+
+    try:
+        st = path.stat()
+        key = (str(path), st.st_mtime_ns, st.st_size)
+    except OSError:
+        return compose.compose_file(path)
+    if key not in _COMPOSED:
+        _COMPOSED[key] = compose.compose_file(path)
+    return _COMPOSED[key]
+
+
+def file_state(path: Path) -> tuple | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size, st.st_ino
+
+
+def known_top_level(spec: StageSpec) -> set[str] | None:
+    from longspec_cli.core import schema
+
+    c = composed(spec.config)
+    if not c.ok:
+        return None
+    return set(schema.SPECS[schema.dialect_of(c.data)]) | TRAINER_ONLY_KEYS
+
+
+def config_overrides(overrides: list[str]) -> list[str]:
+    """The overrides that change what is trained (the ones config_sha256 covers)."""
+    return [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in ORIGIN_ONLY_KEYS]
+
+
+def fingerprint_now(spec: StageSpec, overrides: list[str]) -> str | None:
+    try:
+        return runfolder.config_fingerprint(spec.config, config_overrides(overrides))
+    except OSError:
+        return None
+
+
+def _move_aside(path: Path) -> Path | None:
+    if not path.exists():
+        return None
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    dest = path.with_name(f"{path.name}.old-{stamp}")
+    n = 1
+    while dest.exists():
+        dest = path.with_name(f"{path.name}.old-{stamp}-{n}")
+        n += 1
+    os.replace(path, dest)
+    return dest
+
+
+# --------------------------------------------------------------------------------------- plan
+
+def plan_stages(manifest: Manifest, req: RunRequest) -> list[StagePlan]:
+    """What each stage in scope will do. Raises RefusedError when a stage is running."""
+    from longspec_cli.core.status import project_status
+
+    statuses = {s.name: s for s in project_status(manifest)}
+    rerun: set[str] = set()  # stages that will produce a new draft in this invocation
+    plans: list[StagePlan] = []
+    for spec in manifest.stages:
+        st = statuses[spec.name]
+        if st.state == "running":
+            plans.append(StagePlan(spec, "running", "; ".join(st.reasons)))
+            continue
+        complete = runfolder.RunDir(spec.output_dir).stage_complete()
+        same_config = complete is not None and fingerprint_now(spec, req.overrides) == complete.get("config_sha256")
+        up = statuses.get(spec.draft_from) if spec.draft_from else None
+        same_draft = up is None or (spec.draft_from not in rerun and complete is not None
+                                    and complete.get("draft_sha256") == up.sha256 and up.state == "done")
+        if st.state in ("done", "stale") and same_config and same_draft:
+            plans.append(StagePlan(spec, "skip", "done, config unchanged"))
+            continue
+        if st.state in ("done", "stale"):
+            why = []
+            if not same_config:
+                why.append("config or overrides changed")
+            if not same_draft:
+                why.append(f"{spec.draft_from} " + ("runs again" if spec.draft_from in rerun else "has a new draft"))
+            plans.append(StagePlan(spec, "rerun", ", ".join(why)))
+        elif spec.draft_from in rerun:
+            plans.append(StagePlan(spec, "rerun" if runfolder.RunDir(spec.output_dir).exists() else "start",
+                                   f"{spec.draft_from} runs first"))
+        elif st.action == "resume":
+            plans.append(StagePlan(spec, "resume", f"from step {st.resume_step}", st.resume_step))
+        else:
+            plans.append(StagePlan(spec, "start", "failed before" if st.state == "failed" else ""))
+        rerun.add(spec.name)
+    return _in_scope(manifest, plans, req)
+
+
+def _in_scope(manifest: Manifest, plans: list[StagePlan], req: RunRequest) -> list[StagePlan]:
+    if req.stage is not None:
+        manifest.index(req.stage)  # UsageError with "did you mean" for a bad name
+        chosen = [p for p in plans if p.spec.name == req.stage]
+        if req.all:
+            i = manifest.index(req.stage)
+            chosen = plans[i:]
+    elif req.all:
+        chosen = plans
+    else:
+        todo = next((p for p in plans if p.action != "skip"), None)
+        chosen = [todo] if todo else []
+    for p in chosen:
+        if p.action == "running":
+            info = runfolder.RunDir(p.spec.output_dir).run_info() or {}
+            raise RefusedError(f"stage {p.spec.name} is running (pid {info.get('pid')} on {info.get('host')})",
+                               hint=f"watch it with `longspec monitor`, or stop it with "
+                                    f"`longspec stop {manifest.root} {p.spec.name}`")
+    if req.force and req.stage is not None and not req.all:
+        for p in chosen:
+            if p.action == "skip":
+                p.action, p.reason = "rerun", "--force"
+    return chosen
+
+
+# ---------------------------------------------------------------------------------- preflight
+
+def validation_problems(manifest: Manifest, plans: list[StagePlan], world: int,
+                        only: StagePlan | None = None, overrides: list[str] = ()) -> list[Any]:
+    """Errors and warnings for the stages that will run (the manifest's own included).
+
+    validate reads the files only: a problem about a key the command line overrides is dropped
+    (the trainer checks the value it is given).
+    """
+    from longspec_cli.core.validate import validate_paths
+
+    targets = [only] if only else [p for p in plans if p.action != "skip"]
+    configs = {str(p.spec.config) for p in targets}
+    # Stages whose upstream runs first get their draft key from the chain: ignore it until then.
+    chained_later = set() if only else {str(p.spec.config) for p in targets
+                                        if p.spec.draft_from in {q.spec.name for q in targets}}
+    rep = validate_paths([manifest.root], world_size=world)
+    overridden = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    out = []
+    for prob in rep.problems:
+        if prob.file not in configs and prob.file != str(manifest.path):
+            continue
+        if prob.file in chained_later and prob.key == "draft_model_name_or_path":
+            continue
+        if prob.key and any(prob.key == k or prob.key.startswith(k + ".") for k in overridden):
+            continue
+        out.append(prob)
+    return out
+
+
+def stage_shape(manifest: Manifest, spec: StageSpec, overrides: list[str], res: A.Resources) -> M.StageShape | None:
+    """The memory-estimate inputs of a stage, from its composed config + overrides; None if unknown."""
+    import copy
+
+    from longspec_cli.core import presets
+
+    c = composed(spec.config)
+    if not c.ok:
+        return None
+    data = copy.deepcopy(c.data)
+    for item in overrides:  # the few keys the estimate reads, as Hydra would set them
+        key, _, value = item.lstrip("+").partition("=")
+        _set_dotted(data, key, _yaml_scalar(value))
+    size = None
+    target = data.get("model_name_or_path")
+    if isinstance(target, str) and (Path(target) / "config.json").is_file():
+        try:
+            size = M.ModelSize.from_config_json(Path(target) / "config.json")
+        except (ValueError, OSError):
+            size = None
+    if size is None and manifest.preset:
+        try:
+            table = presets.get_preset(manifest.preset).size
+            size = M.ModelSize.from_mapping({**table, "family": presets.get_preset(manifest.preset).family})
+        except (LongspecError, ValueError):
+            size = None
+    if size is None:
+        return None
+    ds = data.get("ds_cfg") if isinstance(data.get("ds_cfg"), dict) else {}
+    zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
+    off = zero.get("offload_optimizer")
+    offload = isinstance(off, dict) and str(off.get("device", "none")).lower() in ("cpu", "nvme")
+    get = lambda d, k, default: d.get(k) if isinstance(d, dict) and isinstance(d.get(k), int) else default  # noqa: E731
+    precision = data.get("precision") if data.get("precision") in M.PRECISION_BYTES else "bf16"
+    flash = (not res.cpu) and A.find_spec("flash_attn") is not None
+    return M.StageShape(
+        size=size, precision=precision, zero_stage=get(zero, "stage", 0), offload_optimizer=offload,
+        seq_len=get(data.get("data"), "max_seq_length", 1024), micro_batch=get(data, "per_gpu_train_batch_size", 1),
+        world_size=res.world_size, flash=flash, loss_chunk=get(data, "loss_chunk_size", 0) or M.DEFAULT_CE_CHUNK,
+        sliding_window=get(data.get("draft"), "sliding_window", 512),
+        prefetch_params=_count(zero.get("stage3_prefetch_bucket_size"), 100_000_000), cuda=not res.cpu,
+    )
+
+
+def _count(v: Any, default: int) -> int:
+    try:
+        return int(float(v))
+    except (TypeError, ValueError):
+        return default
+
+
+def _set_dotted(d: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    for part in parts[:-1]:
+        if not isinstance(d.get(part), dict):
+            d[part] = {}
+        d = d[part]
+    d[parts[-1]] = value
+
+
+def _yaml_scalar(text: str) -> Any:
+    from longspec_cli.core import yamlio
+
+    try:
+        data = yamlio.parse(f"v: {text}\n")
+        return yamlio.to_plain(data.get("v")) if isinstance(data, dict) else text
+    except LongspecError:
+        return text
+
+
+def memory_report(manifest: Manifest, spec: StageSpec, overrides: list[str], res: A.Resources,
+                  gpu_mem_gib: float | None) -> tuple[list[str], str | None]:
+    """(estimate lines, warning or None)."""
+    shape = stage_shape(manifest, spec, overrides, res)
+    if shape is None:
+        return [f"memory estimate: unknown (no config.json for the target and no preset size)"], None
+    est = M.estimate(shape, res.ranks_per_node)
+    lines = est.lines()
+    if gpu_mem_gib:
+        cap, where = gpu_mem_gib * M.GiB, f"--gpu-mem {gpu_mem_gib:g}"
+    elif res.gpus:
+        g = min(res.gpus, key=lambda x: x.memory_mib)
+        cap, where = g.memory_mib * 1024 ** 2, f"GPU {g.index} ({g.name})"
+    else:
+        lines[0] += " [CPU run: informational]"
+        return lines, None
+    return lines, M.fit_warning(est, cap, where)
+
+
+# ------------------------------------------------------------------------------------ execute
+
+class Console:
+    """Plain output helpers (stdout for the run, stderr for warnings); rich only for the table."""
+
+    def __init__(self, out: TextIO | None = None, err: TextIO | None = None):
+        self.out = out or sys.stdout
+        self.err = err or sys.stderr
+
+    def say(self, text: str = "") -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    def warn(self, text: str) -> None:
+        self.err.write(f"warning: {text}\n")
+        self.err.flush()
+
+
+def resolve_placement(manifest: Manifest, p: A.Placement) -> A.Placement:
+    """CLI flags win; the manifest's launch block fills hostfile and node count."""
+    from dataclasses import replace
+
+    if p.hostfile is None and manifest.launch.hostfile is not None:
+        p = replace(p, hostfile=manifest.launch.hostfile,
+                    num_nodes=p.num_nodes or (manifest.launch.nodes if manifest.launch.nodes > 1 else None))
+    return p
+
+
+def prepare(req: RunRequest, console: Console) -> tuple[Manifest, list[StagePlan], A.Placement, A.Resources]:
+    from longspec_cli.core.manifest import load_manifest
+
+    manifest = load_manifest(req.project)
+    first = manifest.stage(req.stage) if req.stage else manifest.stages[0]
+    A.check_overrides(req.overrides, known_top_level(first) if first.config.is_file() else None)
+    placement = resolve_placement(manifest, req.placement)
+    res = A.resolve_resources(placement, A.detect_gpus(), manifest.launch.gpus, force=req.force)
+    plans = plan_stages(manifest, req)
+    return manifest, plans, placement, res
+
+
+def run_request(req: RunRequest, console: Console | None = None) -> list[StageOutcome]:
+    """The whole `longspec run`; returns the outcomes (raises for refusals and failures)."""
+    console = console or Console()
+    manifest, plans, placement, res = prepare(req, console)
+    todo = [p for p in plans if p.action != "skip"]
+    where = "CPU (DS_ACCELERATOR=cpu)" if res.cpu else f"{len(res.gpus)} GPU(s)"
+    console.say(f"project {manifest.name}: {len(todo)} stage(s) to run on {where}, world size {res.world_size}")
+    for p in plans:
+        console.say(f"  {p.spec.name:<10} {p.action:<7} {p.reason}")
+    if not todo:
+        if plans:
+            print_summary([_outcome(p.spec, "skip", "skipped") for p in plans], console)
+        if req.stage and not req.all:
+            console.say(f"nothing to do: stage {req.stage} is done with this config and input draft "
+                        "(pass --force to train it again)")
+        else:
+            console.say("nothing to do: " + ("every stage is done with an unchanged config" if plans
+                                              else "no stage in scope"))
+        return [_outcome(p.spec, "skip", "skipped") for p in plans]
+
+    problems = validation_problems(manifest, plans, res.world_size, overrides=req.overrides)
+    req.checked = {str(p.spec.config): file_state(p.spec.config) for p in todo}
+    errors = _report_problems(problems, console)
+    if not req.dry_run:
+        A.deepspeed_command()  # DeepSpeed and torch importable, else one sentence on the extra
+    memory_warnings = []
+    for p in todo:
+        lines, warning = memory_report(manifest, p.spec, req.overrides, res, req.gpu_mem_gib)
+        if req.dry_run:
+            conf, exp = exp_location(p.spec)
+            cmd = A.build_launch(placement, res, conf, exp, p.spec.output_dir, req.overrides,
+                                 launcher=_dry_launcher())
+            console.say(f"\n# stage {p.spec.name} ({p.action}{': ' + p.reason if p.reason else ''})"
+                        + (f"; its draft is chained from {p.spec.draft_from} first" if p.spec.draft_from
+                           and p.spec.draft_from in {q.spec.name for q in todo} else ""))
+            console.say(cmd.shell())
+            for line in lines:
+                console.say("# " + line)
+        if warning:
+            memory_warnings.append(f"{p.spec.name}: {warning}")
+    for w in memory_warnings:
+        console.warn(w)
+    if errors and not req.force:
+        raise RefusedError(f"{errors} validation error(s) in the stage(s) to run; nothing was started",
+                           hint="fix them (`longspec validate` lists them), or pass --force to launch anyway")
+    if req.dry_run:
+        return [_outcome(p.spec, p.action, "not run") for p in plans]
+    return execute(manifest, plans, placement, res, req, console)
+
+
+def _dry_launcher() -> list[str]:
+    try:
+        return A.deepspeed_command()
+    except LongspecError:
+        return ["deepspeed"]
+
+
+def _report_problems(problems: list[Any], console: Console) -> int:
+    errors = 0
+    for prob in problems:
+        where = f"{prob.file}:{prob.line}" if prob.line else str(prob.file)
+        text = f"{where}: {prob.message}" + (f" (hint: {prob.hint})" if prob.hint else "")
+        if prob.severity == "error":
+            errors += 1
+            console.err.write(f"error: {text}\n")
+        else:
+            console.warn(text)
+    console.err.flush()
+    return errors
+
+
+def execute(manifest: Manifest, plans: list[StagePlan], placement: A.Placement, res: A.Resources,
+            req: RunRequest, console: Console) -> list[StageOutcome]:
+    from longspec_cli.core.atomic import locked
+
+    outcomes: list[StageOutcome] = []
+    with locked(manifest.root / ".longspec-run", timeout=0.5):
+        for i, p in enumerate(plans):
+            if p.action == "skip":
+                outcomes.append(_outcome(p.spec, "skip", "skipped"))
+                continue
+            try:
+                outcomes.append(run_one(manifest, p, placement, res, req, console))
+            except LongspecError as e:
+                outcomes.append(_outcome(p.spec, p.action, "interrupted" if e.exit_code == INTERRUPTED
+                                         else "failed", wall_s=p.wall_s, note=e.message.splitlines()[0]))
+                outcomes += [_outcome(q.spec, q.action, "not run") for q in plans[i + 1:]]
+                print_summary(outcomes, console)
+                raise
+    print_summary(outcomes, console)
+    return outcomes
+
+
+def run_one(manifest: Manifest, p: StagePlan, placement: A.Placement, res: A.Resources, req: RunRequest,
+            console: Console) -> StageOutcome:
+    from longspec_cli.core import chain
+    from longspec_cli.launch import process
+
+    spec = p.spec
+    if p.action == "rerun":
+        moved = _move_aside(spec.output_dir)
+        if moved:
+            console.say(f"{spec.name}: moved the previous run folder to {moved}")
+    if spec.draft_from:
+        _chain_into(manifest, spec, console, chain)
+    if req.checked.get(str(spec.config)) != file_state(spec.config):  # chained (or edited) since the preflight
+        problems = validation_problems(manifest, [p], res.world_size, only=p, overrides=req.overrides)
+        if _report_problems([q for q in problems if q.severity == "error"], console) and not req.force:
+            raise RefusedError(f"stage {spec.name}: validation errors; not started",
+                               hint="fix them, or pass --force to launch anyway")
+    conf, exp = exp_location(spec)
+    cmd = A.build_launch(placement, res, conf, exp, spec.output_dir, req.overrides)
+    console.say(f"\n== {spec.name}: {p.action}{' (' + p.reason + ')' if p.reason else ''}\n$ {cmd.shell()}")
+    kw = {k: v for k, v in (("grace_int", req.grace_int), ("grace_term", req.grace_term)) if v is not None}
+    result = process.run_stage_process(cmd, spec.output_dir, spec.name, config_overrides(req.overrides),
+                                       stream=console.out,
+                                       quiet=req.quiet, **kw)
+    p.wall_s = result.wall_s
+    if result.interrupted or result.stopped:
+        how = "stopped by `longspec stop`" if result.stopped and not result.interrupted else "interrupted"
+        raise LongspecError(f"stage {spec.name} {how} after {result.wall_s:.0f} s; no process of it is left",
+                            hint=f"`longspec run {manifest.root}` resumes it from its newest checkpoint",
+                            exit_code=INTERRUPTED)
+    rd = runfolder.RunDir(spec.output_dir)
+    complete = rd.stage_complete()
+    if result.returncode != 0 or complete is None:
+        _fail(spec, result, complete, console)
+    out = _outcome(spec, p.action, "done", wall_s=result.wall_s)
+    console.say(f"== {spec.name}: done in {result.wall_s:.1f} s, {out.steps} steps, final loss "
+                f"{out.last_loss if out.last_loss is not None else '?'}, sha256 {(out.sha256 or '?')[:16]}")
+    return out
+
+
+def _chain_into(manifest: Manifest, spec: StageSpec, console: Console, chain) -> None:
+    """Point `spec` at its upstream's verified final draft, exactly as `longspec next-stage --to`."""
+    from longspec_cli.core.status import stage_status
+
+    prev = manifest.stage(spec.draft_from)
+    if stage_status(prev).state != "done":
+        raise RefusedError(f"stage {spec.name} starts from {prev.name}'s draft, but {prev.name} is not done",
+                           hint=f"run it first: `longspec run {manifest.root} {prev.name}` (or use --all)")
+    result = chain.chain_project(manifest, spec.name, dry_run=False, deep=None)
+    if result is not None:
+        state = "set" if result.written else "already set"
+        console.say(f"{spec.name}: draft_model_name_or_path {state} to {result.new} "
+                    f"(sha256 {(result.draft_sha256 or '?')[:16]}, from {prev.name})")
+
+
+def _fail(spec: StageSpec, result, complete, console: Console) -> None:
+    tail = "\n".join(result.log_tail[-25:])
+    log = spec.output_dir / process_log_name()
+    if result.missing_module:
+        raise RunFailed(f"stage {spec.name}: the training process cannot import {result.missing_module}",
+                        hint=A.INSTALL_HINT)
+    why = (f"exit code {result.returncode}" if result.returncode != 0
+           else "exit code 0 but no stage_complete.json was written")
+    console.err.write(f"\n--- last lines of {log} ---\n{tail}\n---\n")
+    console.err.flush()
+    raise RunFailed(f"stage {spec.name} failed ({why}); the next stage was not started",
+                    hint=f"full log: {log}")
+
+
+def process_log_name() -> str:
+    from longspec_cli.launch.process import TRAIN_LOG
+
+    return TRAIN_LOG
+
+
+def _outcome(spec: StageSpec, action: str, result: str, wall_s: float | None = None, note: str = "") -> StageOutcome:
+    rd = runfolder.RunDir(spec.output_dir)
+    out = StageOutcome(name=spec.name, action=action, result=result, wall_s=wall_s, note=note)
+    if result in ("not run",):
+        return out
+    complete = rd.stage_complete()
+    steps = [r for r in rd.metrics().steps]
+    if steps:
+        out.first_loss = _num(steps[0].get("loss"))
+        out.last_loss = _num(steps[-1].get("loss"))
+        rates = [_num(r.get("tokens_per_s")) for r in steps]
+        rates = [r for r in rates if r]
+        out.tokens_per_s = sum(rates) / len(rates) if rates else None
+        out.steps = steps[-1].get("step") if isinstance(steps[-1].get("step"), int) else None
+    if complete is not None:
+        out.sha256 = complete.get("sha256")
+        if isinstance(complete.get("steps"), int):
+            out.steps = complete["steps"]
+        if _num(complete.get("final_loss")) is not None:
+            out.last_loss = _num(complete.get("final_loss"))
+    return out
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def print_summary(outcomes: list[StageOutcome], console: Console) -> None:
+    rows = [SUMMARY_HEADER] + [o.row() for o in outcomes]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(SUMMARY_HEADER))]
+    console.say("")
+    for n, r in enumerate(rows):
+        console.say("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if n == 0:
+            console.say("  ".join("-" * w for w in widths))
+    for o in outcomes:
+        if o.note:
+            console.say(f"{o.name}: {o.note}")

@@ -1,0 +1,431 @@
+"""One training process group: start, tee, progress line, interrupt, stop.
+
+The launcher (DeepSpeed's runner) starts in a new session, so its process group holds every
+rank and helper it spawns and nothing else. Its stdout and stderr go straight to
+`<output_dir>/train.log` (so a closed terminal does not kill the run); this process follows
+the file and echoes it, with a progress line from metrics.jsonl.
+
+Ctrl-C (or SIGTERM to `longspec run`): SIGINT to the group, then SIGTERM, then SIGKILL after
+timeouts, until no process of the group is left; a second Ctrl-C skips to the next signal.
+`longspec stop` does the same from another terminal after checking run.json still names a live
+process of this run (pid + start time + host); it marks run.json so `run` reports "stopped".
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, TextIO
+
+from longspec_cli.core import runfolder
+from longspec_cli.core.atomic import atomic_write_json
+from longspec_cli.errors import RefusedError
+from longspec_cli.launch.argv import INSTALL_HINT, LaunchCommand
+
+TRAIN_LOG = "train.log"
+GRACE_INT_S = 15.0  # after SIGINT: time for the ranks to unwind and the launcher to clean up
+GRACE_TERM_S = 10.0  # after SIGTERM, before SIGKILL
+POLL_S = 0.2
+_MISSING_MODULE = re.compile(r"No module named '(torch|deepspeed|transformers|hydra|omegaconf|safetensors)")
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# ----------------------------------------------------------------------------- group members
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is `pgid`."""
+    if not os.path.isdir("/proc"):
+        try:
+            os.killpg(pgid, 0)
+            return [pgid]
+        except (ProcessLookupError, PermissionError):
+            return []
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read().decode("ascii", "replace")
+        except OSError:
+            continue
+        rest = stat[stat.rfind(")") + 2:].split()
+        if len(rest) > 2 and rest[0] not in ("Z", "X") and rest[2] == str(pgid):
+            out.append(int(name))
+    return out
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def terminate_group(pgid: int, *, grace_int: float = GRACE_INT_S, grace_term: float = GRACE_TERM_S,
+                    reap: Callable[[], None] | None = None, skip: Callable[[], bool] | None = None,
+                    say: Callable[[str], None] | None = None) -> str:
+    """SIGINT, then SIGTERM, then SIGKILL the group until it is empty. Returns the last signal sent.
+
+    reap: called while waiting (the parent must reap its child, or the leader stays a zombie).
+    skip: returns True when the caller wants the next signal now (a second Ctrl-C).
+    """
+    last = "none"
+    for sig, grace in ((signal.SIGINT, grace_int), (signal.SIGTERM, grace_term), (signal.SIGKILL, 5.0)):
+        if reap:
+            reap()
+        if not group_members(pgid):
+            return last
+        if say and sig != signal.SIGINT:
+            say(f"sending {signal.Signals(sig).name} to process group {pgid}")
+        _signal_group(pgid, sig)
+        last = signal.Signals(sig).name
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if reap:
+                reap()
+            if not group_members(pgid):
+                return last
+            if skip and skip():
+                break
+            time.sleep(0.05)
+    return last
+
+
+# ------------------------------------------------------------------------------- progress line
+
+@dataclass
+class Progress:
+    """Formats `[stage] step 12/40 | loss 3.210 | 1,234 tok/s | ETA 0:45` from metrics records."""
+
+    stage: str
+    since: float = field(default_factory=time.time)  # records older than this launch are history
+    step: int | None = None
+    total: int | None = None
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    _first: tuple[int, float] | None = None
+    _last_t: float | None = None
+
+    def update(self, rec: dict) -> bool:
+        if rec.get("event") in ("start", "resume") and isinstance(rec.get("total_steps"), int):
+            self.total = rec["total_steps"]
+        if not runfolder.is_step_record(rec):
+            return False
+        self.step = rec["step"]
+        if isinstance(rec.get("total_steps"), int):
+            self.total = rec["total_steps"]
+        if isinstance(rec.get("loss"), (int, float)):
+            self.loss = float(rec["loss"])
+        if isinstance(rec.get("tokens_per_s"), (int, float)):
+            self.tokens_per_s = float(rec["tokens_per_s"])
+        t = rec.get("time")
+        if isinstance(t, (int, float)) and t >= self.since - 1:
+            if self._first is None:
+                self._first = (self.step, float(t))
+            self._last_t = float(t)
+        return True
+
+    def eta_s(self) -> float | None:
+        if self._first is None or self.total is None or self.step is None or self._last_t is None:
+            return None
+        done = self.step - self._first[0]
+        dt = self._last_t - self._first[1]
+        if done <= 0 or dt <= 0:
+            return None
+        return max(0.0, (self.total - self.step) * dt / done)
+
+    def line(self) -> str:
+        if self.step is None:
+            return f"[{self.stage}] starting..."
+        parts = [f"[{self.stage}] step {self.step}/{self.total if self.total is not None else '?'}"]
+        if self.loss is not None:
+            parts.append(f"loss {self.loss:.4f}")
+        if self.tokens_per_s is not None:
+            parts.append(f"{self.tokens_per_s:,.0f} tok/s")
+        eta = self.eta_s()
+        if eta is not None:
+            parts.append(f"ETA {int(eta) // 3600}:{int(eta) % 3600 // 60:02d}:{int(eta) % 60:02d}")
+        return " | ".join(parts)
+
+
+class Echo:
+    """Writes log lines to the terminal with a progress line kept at the bottom (TTY) or printed
+    now and then (not a TTY)."""
+
+    def __init__(self, stream: TextIO, quiet: bool = False, every_s: float = 30.0):
+        self.stream = stream
+        self.quiet = quiet  # no log echo: then a non-TTY gets a progress line every `every_s`
+        self.tty = hasattr(stream, "isatty") and stream.isatty()
+        self.every_s = every_s
+        self._shown = ""
+        self._last_print = 0.0
+        self._printed = ""  # last progress line written as a plain line (not a TTY)
+        self.gone = False
+
+    def write(self, text: str) -> None:
+        """Write and flush; a terminal that went away (closed pipe) ends the echo, not the run."""
+        if self.gone:
+            return
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            self.gone = True
+
+    def lines(self, text: str) -> None:
+        if self.quiet or not text:
+            return
+        self.write(("\r\x1b[2K" if self.tty and self._shown else "") + text
+                   + (self._shown if self.tty and self._shown else ""))
+
+    def progress(self, line: str, *, final: bool = False) -> None:
+        if self.tty:
+            width = 200
+            try:
+                cols = os.get_terminal_size(self.stream.fileno()).columns
+                width = cols - 1 if cols >= 20 else width  # a pty with no size set reports 0
+            except (OSError, ValueError, AttributeError):
+                pass
+            self._shown = line[:width]
+            self.write("\r\x1b[2K" + self._shown + ("\n" if final else ""))
+            if final:
+                self._shown = ""
+        # Not a TTY: while the log is echoed the trainer's own step lines are there already, so
+        # only the final line (and, with --quiet, one every `every_s`).
+        elif (final or (self.quiet and time.monotonic() - self._last_print >= self.every_s)) \
+                and line != self._printed:
+            self._last_print, self._printed = time.monotonic(), line
+            self.write(line + "\n")
+
+    def clear(self) -> None:
+        if self.tty and self._shown:
+            self.write("\r\x1b[2K")
+            self._shown = ""
+
+
+# ------------------------------------------------------------------------------------ running
+
+@dataclass
+class RunResult:
+    returncode: int
+    interrupted: bool = False  # Ctrl-C / SIGTERM to `longspec run`
+    stopped: bool = False  # `longspec stop` from another terminal
+    wall_s: float = 0.0
+    log_tail: list[str] = field(default_factory=list)
+    missing_module: str | None = None  # the launch could not import torch/deepspeed/...
+
+
+class _Interrupts:
+    """SIGINT/SIGTERM handlers that only count; the wait loop acts on the count."""
+
+    def __init__(self):
+        self.count = 0
+        self._seen = 0
+        self._old: dict[int, object] = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old[sig] = signal.signal(sig, self._on)
+        return self
+
+    def _on(self, signum, frame):
+        self.count += 1
+
+    def new(self) -> bool:
+        if self.count > self._seen:
+            self._seen = self.count
+            return True
+        return False
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        return False
+
+
+def run_stage_process(cmd: LaunchCommand, output_dir: Path, stage: str, overrides: list[str], *,
+                      stream: TextIO | None = None, quiet: bool = False,
+                      grace_int: float = GRACE_INT_S, grace_term: float = GRACE_TERM_S,
+                      extra_info: dict | None = None) -> RunResult:
+    """Start the launch in its own process group, follow it to the end, return how it ended."""
+    stream = stream or sys.stdout
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    log_path = output_dir / TRAIN_LOG
+    echo = Echo(stream, quiet=quiet)
+    env = {**os.environ, **cmd.env}
+
+    with open(log_path, "ab") as log:
+        log.write(f"\n===== longspec run {stage} {utc_now()} =====\n$ {cmd.shell()}\n".encode())
+        log.flush()
+        start_offset = log.tell()
+        t0 = time.monotonic()
+        with _Interrupts() as intr:
+            try:
+                proc = subprocess.Popen(cmd.argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+            except OSError as e:
+                raise RefusedError(f"cannot start {cmd.argv[0]}: {e.strerror or e}", hint=INSTALL_HINT) from None
+            info = {
+                "pid": proc.pid, "pgid": proc.pid, "host": socket.gethostname(), "argv": cmd.argv,
+                "env": cmd.env, "started_at": utc_now(), "started_unix": time.time(),
+                "proc_start": runfolder.proc_start_time(proc.pid),
+                "overrides": list(overrides), "stage": stage, "output_dir": str(output_dir),
+                "world_size": cmd.world_size, "launcher_pid": os.getpid(), **(extra_info or {}),
+            }
+            atomic_write_json(output_dir / runfolder.RUN_INFO, info)
+            result = _follow(proc, log_path, start_offset, output_dir, stage, echo, intr,
+                             grace_int=grace_int, grace_term=grace_term)
+            ended_unix = time.time()
+    result.wall_s = time.monotonic() - t0
+    result.log_tail = log_tail(log_path, start_offset)
+    for line in result.log_tail:
+        m = _MISSING_MODULE.search(line)
+        if m:
+            result.missing_module = m.group(1)
+    final, _ = runfolder.read_json(output_dir / runfolder.RUN_INFO)
+    final = final if final is not None and final.get("pid") == proc.pid else info
+    result.stopped = bool(final.get("stop_requested_at"))
+    atomic_write_json(output_dir / runfolder.RUN_INFO, {
+        **final, "ended_at": utc_now(), "ended_unix": ended_unix, "returncode": result.returncode,
+        "interrupted": result.interrupted or result.stopped,
+    })
+    return result
+
+
+def _follow(proc: subprocess.Popen, log_path: Path, offset: int, output_dir: Path, stage: str,
+            echo: Echo, intr: _Interrupts, *, grace_int: float, grace_term: float) -> RunResult:
+    progress = Progress(stage)
+    tail = runfolder.MetricsTail(output_dir / runfolder.METRICS)
+    reader = _LogFollower(log_path, offset)
+    interrupted = False
+    shown = ""
+
+    def pump() -> None:
+        nonlocal shown
+        echo.lines(reader.read())
+        changed = False
+        for rec in tail.poll().records:
+            changed |= progress.update(rec)
+        line = progress.line()
+        if changed or (echo.tty and line != shown):
+            shown = line
+            echo.progress(line)
+
+    while proc.poll() is None:
+        if intr.new():
+            interrupted = True
+            echo.clear()
+            echo.write(f"\ninterrupt: stopping {stage} (process group {proc.pid}); Ctrl-C again to force\n")
+            terminate_group(proc.pid, grace_int=grace_int, grace_term=grace_term,
+                            reap=lambda: (proc.poll(), pump()), skip=intr.new,
+                            say=lambda m: echo.write(m + "\n"))
+            break
+        pump()
+        time.sleep(POLL_S)
+    proc.wait()
+    # The leader is gone; its ranks may still be unwinding. Nothing of the group may outlive us.
+    if group_members(proc.pid):
+        terminate_group(proc.pid, grace_int=grace_int if not interrupted else 0.5, grace_term=grace_term,
+                        skip=intr.new)
+    pump()
+    echo.lines(reader.read(final=True))
+    if progress.step is not None:
+        echo.progress(progress.line(), final=True)
+    else:
+        echo.clear()
+    interrupted = interrupted or intr.count > 0
+    return RunResult(returncode=proc.returncode, interrupted=interrupted)
+
+
+class _LogFollower:
+    """New complete lines of train.log since `offset` (a partial line waits for its newline)."""
+
+    def __init__(self, path: Path, offset: int):
+        self.path = path
+        self.offset = offset
+        self._partial = b""
+
+    def read(self, final: bool = False) -> str:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read(1 << 20)
+        except OSError:
+            return ""
+        self.offset += len(chunk)
+        data = self._partial + chunk
+        if final:
+            self._partial = b""
+            text = data
+            if text and not text.endswith(b"\n"):
+                text += b"\n"
+        else:
+            cut = data.rfind(b"\n") + 1
+            text, self._partial = data[:cut], data[cut:]
+        return text.decode("utf-8", "replace")
+
+
+def log_tail(path: Path, offset: int = 0, lines: int = 40) -> list[str]:
+    """The last `lines` lines of the log written since `offset`."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            start = max(offset, size - 64 * 1024)
+            f.seek(start)
+            data = f.read()
+    except OSError:
+        return []
+    return data.decode("utf-8", "replace").splitlines()[-lines:]
+
+
+# ---------------------------------------------------------------------------------------- stop
+
+@dataclass
+class StopOutcome:
+    stage: str
+    pid: int
+    signal: str  # last signal sent, or "none"
+    remaining: list[int]
+
+
+def live_run(output_dir: Path) -> dict | None:
+    """run.json of a run that is still alive on this host, or None. Never trusts a bare pid."""
+    info, _ = runfolder.read_json(Path(output_dir) / runfolder.RUN_INFO)
+    if info is None:
+        return None
+    if info.get("host") and info.get("host") != socket.gethostname():
+        raise RefusedError(f"{output_dir}: the run was started on host {info.get('host')}",
+                           hint=f"run `longspec stop` on {info.get('host')}")
+    if not runfolder.pid_alive(info.get("pid"), info.get("proc_start")):
+        return None
+    pgid = info.get("pgid")
+    if not isinstance(pgid, int) or pgid != info.get("pid"):
+        return None  # we always start the launcher as its own group leader
+    return info
+
+
+def stop_run(output_dir: Path, stage: str, *, grace_int: float = GRACE_INT_S,
+             grace_term: float = GRACE_TERM_S, say: Callable[[str], None] | None = None) -> StopOutcome | None:
+    """Stop the live run in `output_dir`; None when there is none (a stale run.json is left alone)."""
+    info = live_run(output_dir)
+    if info is None:
+        return None
+    pid = info["pid"]
+    atomic_write_json(Path(output_dir) / runfolder.RUN_INFO, {**info, "stop_requested_at": utc_now()})
+    # Between the check and the signal the group can only vanish, not be reused: a pgid is not
+    # handed out again while a process of that group exists.
+    last = terminate_group(pid, grace_int=grace_int, grace_term=grace_term, say=say)
+    return StopOutcome(stage=stage, pid=pid, signal=last, remaining=group_members(pid))

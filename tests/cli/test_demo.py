@@ -1,0 +1,53 @@
+"""`longspec demo`: the tiny preset end to end, three chained stages, checked by sha256 (slow)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.slow
+def test_demo_runs_three_chained_stages_and_prints_the_summary(tmp_path):
+    demo = tmp_path / "demo"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run([sys.executable, "-m", "longspec_cli", "demo", str(demo), "--max-steps", "3", "--quiet"],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=1500)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    runs = {s: demo / "runs" / s for s in ("base", "long", "longcot")}
+    done = {s: json.loads((d / "stage_complete.json").read_text()) for s, d in runs.items()}
+    # every stage finished its steps and its weights are the file stage_complete.json names
+    for s, c in done.items():
+        assert c["steps"] == 3 and c["sha256"] == sha256(runs[s] / "draft_model_weights.pth")
+    # chaining: each stage trained from the previous stage's final draft, byte for byte
+    assert done["base"]["draft_sha256"] is None
+    assert done["long"]["draft_sha256"] == done["base"]["sha256"]
+    assert done["longcot"]["draft_sha256"] == done["long"]["sha256"]
+    for stage, prev in (("long", "base"), ("longcot", "long")):
+        text = (demo / "conf" / "exp" / f"{stage}.yaml").read_text()
+        assert f"draft_model_name_or_path: {runs[prev] / 'draft_model_weights.pth'}" in text
+    # the summary table: one row per stage with steps, losses, tokens/s, wall time, sha256 prefix
+    rows = {line.split()[0]: line.split() for line in res.stdout.splitlines()
+            if line.split() and line.split()[0] in runs and "done" in line.split()[:3]}
+    assert set(rows) == set(runs)
+    for s, row in rows.items():
+        assert row[3] == "3" and row[-1] == done[s]["sha256"][:16]
+        float(row[4]), float(row[5]), float(row[7])  # first loss, last loss, wall s are numbers
+    assert "demo finished in" in res.stdout
+
+    # run again: every stage is skipped, nothing is launched
+    again = subprocess.run([sys.executable, "-m", "longspec_cli", "demo", str(demo), "--max-steps", "3", "--quiet"],
+                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert again.returncode == 0 and again.stdout.count("skipped") == 3, again.stdout
+    assert all(json.loads((d / "stage_complete.json").read_text()) == done[s] for s, d in runs.items())
