@@ -239,7 +239,7 @@ def longcot_records(rng: random.Random, n: int) -> list[dict]:
     return out
 
 
-STAGE_DATA = {"base": (base_records, 1500), "long": (long_records, 40),
+STAGE_DATA = {"base": (base_records, 2500), "long": (long_records, 40),
               "longcot": (longcot_records, 40)}
 
 

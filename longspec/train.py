@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from longspec import dsconfig, outputs
+from longspec_cli.core import runfolder
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
@@ -150,15 +151,9 @@ def config_origin() -> Origin:
             if candidate.is_file():
                 exp_file = candidate.resolve()
                 break
-    overrides = [o for o in hc.overrides.task if not _origin_only(o)]
+    overrides = runfolder.config_overrides(hc.overrides.task)
     sha = outputs.fingerprint(exp_file, overrides) if exp_file else None
     return Origin(exp_file, overrides, sha)
-
-
-def _origin_only(override: str) -> bool:
-    """Overrides that say where or whether to run, not what to train."""
-    key = override.lstrip("+~").split("=", 1)[0]
-    return key in ("exp", "output_dir", "force")
 
 
 # ----------------------------------------------------------------------------- preflight

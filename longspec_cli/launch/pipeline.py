@@ -26,9 +26,6 @@ from longspec_cli.launch import argv as A
 from longspec_cli.launch import memory as M
 
 TRAINER_ONLY_KEYS = {"force"}  # in longspec/conf/config.yaml but not in a stage file's schema
-# Overrides that say where or whether to run, not what to train: the trainer leaves them out of
-# config_sha256 (longspec/train.py `_origin_only`), so the launcher does too.
-ORIGIN_ONLY_KEYS = ("exp", "output_dir", "force")
 
 
 @dataclass
@@ -128,14 +125,9 @@ def known_top_level(spec: StageSpec) -> set[str] | None:
     return set(schema.SPECS[schema.dialect_of(c.data)]) | TRAINER_ONLY_KEYS
 
 
-def config_overrides(overrides: list[str]) -> list[str]:
-    """The overrides that change what is trained (the ones config_sha256 covers)."""
-    return [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in ORIGIN_ONLY_KEYS]
-
-
 def fingerprint_now(spec: StageSpec, overrides: list[str]) -> str | None:
     try:
-        return runfolder.config_fingerprint(spec.config, config_overrides(overrides))
+        return runfolder.config_fingerprint(spec.config, overrides)
     except OSError:
         return None
 
@@ -491,7 +483,7 @@ def run_one(manifest: Manifest, p: StagePlan, placement: A.Placement, res: A.Res
     cmd = A.build_launch(placement, res, conf, exp, spec.output_dir, req.overrides)
     console.say(f"\n== {spec.name}: {p.action}{' (' + p.reason + ')' if p.reason else ''}\n$ {cmd.shell()}")
     kw = {k: v for k, v in (("grace_int", req.grace_int), ("grace_term", req.grace_term)) if v is not None}
-    result = process.run_stage_process(cmd, spec.output_dir, spec.name, config_overrides(req.overrides),
+    result = process.run_stage_process(cmd, spec.output_dir, spec.name, runfolder.config_overrides(req.overrides),
                                        stream=console.out,
                                        quiet=req.quiet, **kw)
     p.wall_s = result.wall_s
