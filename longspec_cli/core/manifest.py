@@ -123,6 +123,8 @@ def _build(doc: yamlio.YamlDoc, path: Path) -> Manifest:
     target = data.get("target")
     if target is not None and not isinstance(target, str):
         err("`target` must be a path (string) or null", "target")
+    if isinstance(target, str) and "\0" in target:
+        err("`target` contains a NUL character", "target")
 
     launch = _launch(data.get("launch"), doc, err, root)
     stages = _stages(data.get("stages"), doc, err, root)
@@ -146,7 +148,7 @@ def _launch(raw: Any, doc: yamlio.YamlDoc, err, root: Path) -> Launch:
             err(f"`launch.{k}` must be an integer >= 1; got {v!r}", f"launch.{k}")
         vals[k] = int(v)
     hostfile = raw.get("hostfile")
-    if hostfile is not None and not isinstance(hostfile, str):
+    if hostfile is not None and (not isinstance(hostfile, str) or "\0" in hostfile):
         err("`launch.hostfile` must be a path or null", "launch.hostfile")
     return Launch(gpus=vals["gpus"], nodes=vals["nodes"], hostfile=_resolve(root, hostfile) if hostfile else None)
 
@@ -170,6 +172,8 @@ def _stages(raw: Any, doc: yamlio.YamlDoc, err, root: Path) -> list[StageSpec]:
             v = entry.get(k)
             if not isinstance(v, str) or not v.strip():
                 err(f"stages[{i}].{k} must be a non-empty string; got {v!r}", line=key_line(entry, k) or line)
+            if "\0" in v:
+                err(f"stages[{i}].{k} contains a NUL character", line=key_line(entry, k) or line)
             vals[k] = v
         names = [s.name for s in out]
         if vals["name"] in names:
@@ -185,8 +189,12 @@ def _stages(raw: Any, doc: yamlio.YamlDoc, err, root: Path) -> list[StageSpec]:
                 err(f"stages[{i}].draft_from {draft_from!r} {why}", line=key_line(entry, "draft_from") or line,
                     hint=_did_you_mean(draft_from, names) or (f"earlier stages: {', '.join(names)}" if names else
                                                               "the first stage has draft_from: null"))
+        output_dir = _resolve(root, vals["output_dir"])
+        if output_dir.exists() and not output_dir.is_dir():
+            err(f"stages[{i}].output_dir {str(output_dir)!r} is a file, not a folder",
+                line=key_line(entry, "output_dir") or line, hint="point output_dir at a folder (made when the stage runs)")
         out.append(StageSpec(name=vals["name"], config=_resolve(root, vals["config"]),
-                             output_dir=_resolve(root, vals["output_dir"]), draft_from=draft_from, line=line))
+                             output_dir=output_dir, draft_from=draft_from, line=line))
     return out
 
 

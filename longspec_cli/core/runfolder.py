@@ -81,7 +81,7 @@ def parse_jsonl_line(raw: bytes | str) -> dict | None:
     """One metrics line -> dict, or None when it is not a JSON object."""
     try:
         obj = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nesting too deep
         return None
     return obj if isinstance(obj, dict) else None
 
@@ -214,7 +214,7 @@ def read_json(path: str | os.PathLike) -> tuple[dict | None, str | None]:
         return None, f"{p}: cannot read ({e.strerror or e})"
     try:
         obj = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nesting too deep
         return None, f"{p}: not valid JSON ({e})"
     if not isinstance(obj, dict):
         return None, f"{p}: expected a JSON object, got {type(obj).__name__}"

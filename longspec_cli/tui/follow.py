@@ -54,7 +54,7 @@ def parse_lines(lines: list[bytes]) -> tuple[list[dict], int]:
         if len(objs) == len(body):
             good = [o for o in objs if type(o) is dict]
             return good, len(body) - len(good)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: a line nested too deep; go line by line
         pass
     good = [o for o in map(runfolder.parse_jsonl_line, body) if o is not None]
     return good, len(body) - len(good)
