@@ -276,8 +276,10 @@ def launcher_flags(p: Placement, r: Resources, *, pick_port: bool = True) -> lis
     if p.master_addr:
         flags += ["--master_addr", p.master_addr]
     port = p.master_port
-    if port is None and pick_port and not p.multi_node and not port_is_free(DEFAULT_MASTER_PORT):
-        port = free_port()  # another job (or test) on this machine holds DeepSpeed's default
+    if port is None and pick_port and not p.multi_node:
+        # One node: any free port will do, and DeepSpeed's fixed default collides with every
+        # other job on a shared machine (checking it first would still race with them).
+        port = free_port()
     if port is not None:
         flags += ["--master_port", str(port)]
     if p.launcher:

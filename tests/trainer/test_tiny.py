@@ -189,7 +189,7 @@ def test_target_continues_cyclic_lists(tiny, loaded):
 def test_stage_data_shapes(tiny, loaded):
     tok, _ = loaded
     base, long, cot = (read_jsonl(tiny["data"][s]) for s in ("base", "long", "longcot"))
-    assert 1000 <= len(base) <= 2000 and all(set(r) == {"text"} for r in base)
+    assert 2000 <= len(base) <= 3000 and all(set(r) == {"text"} for r in base)
     lengths = [len(tok(r["text"])["input_ids"]) for r in base[:200]]
     assert 100 <= sum(lengths) / len(lengths) <= 220
 
