@@ -16,9 +16,11 @@ EPILOG = """Examples:
   longspec demo /tmp/d --gpus 2
 
 Builds a tiny Qwen2-family target, tokenizer and data locally (cached), then trains the three
-stages (base -> long -> longcot) on whatever the machine has (CPU without a GPU) and prints, per
-stage: steps, first and last loss, tokens/s, wall time and the final weights' sha256. Running it
-again continues where it stopped; finished stages are skipped."""
+stages (base -> long -> longcot) on whatever the machine has (CPU without a GPU), evaluates each
+stage's draft as it finishes (as `longspec run --eval`: greedy speculative decoding of held-out
+prompts) and prints, per stage: steps, first and last loss, tokens/s, wall time, tau (tokens per
+target forward), speed-up and the final weights' sha256. Running it again continues where it
+stopped; finished stages (and their current measurements) are skipped."""
 
 
 def demo(
@@ -27,6 +29,7 @@ def demo(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not echo the training logs."),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Cap every stage at N steps "
                                             "(a quicker smoke run; passed as max_steps=N save_steps=N)."),
+    evaluate: bool = typer.Option(True, "--eval/--no-eval", help="Measure tau and speed-up of each stage."),
 ) -> None:
     """Scaffold the tiny preset and train all three stages: a whole LongSpec pipeline in minutes."""
 
@@ -56,7 +59,7 @@ def demo(
             raise UsageError("--max-steps must be at least 1")
         overrides = [f"max_steps={max_steps}", f"save_steps={max_steps}"] if max_steps else []
         req = pipeline.RunRequest(project=root, all=True, placement=A.Placement(gpus=gpus), quiet=quiet,
-                                  overrides=overrides)
+                                  overrides=overrides, evaluate=evaluate)
         pipeline.run_request(req, console)
         console.say(f"\ndemo finished in {time.monotonic() - t0:.1f} s; project: {root}")
 

@@ -21,11 +21,19 @@ EPILOG = """Examples:
 
   longspec run demo --all --slurm --gpus 8 --num-nodes 4 --submit
 
+  longspec run demo --all --gate 10            stop when a stage's tau drops more than 10%
+
 Without STAGE and --all: the next stage that is not done. A finished stage whose config and
 input draft are unchanged is skipped; an interrupted one resumes from its newest checkpoint.
 Without a visible GPU the run uses DeepSpeed's CPU accelerator (--gpus ranks, default 1).
 Exit codes: 0 done, 1 refused (validation errors, stage running), 2 usage (bad flag or
-override), 4 a stage failed, 130 interrupted (no process is left behind)."""
+override), 4 a stage failed, 130 interrupted (no process is left behind).
+
+--gate P evaluates each stage when it finishes (as `longspec eval`: its draft and its upstream
+stage's draft on the same held-out prompts) and stops before the next stage, exit 1, when its
+tau is more than P percent below the upstream draft's, or when its decoding is not lossless.
+--eval measures the same way without stopping. A stage whose eval.json was measured on its
+current draft is not measured again. Without either flag `run` evaluates nothing."""
 
 
 def split_args(args: list[str]) -> tuple[Optional[str], list[str]]:
@@ -55,6 +63,11 @@ def run(
     slurm: bool = typer.Option(False, "--slurm", help="Write an sbatch script (DIR/longspec.sbatch) instead of launching."),
     submit: bool = typer.Option(False, "--submit", help="With --slurm: submit it with sbatch."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not echo the training log (progress line only)."),
+    gate: Optional[float] = typer.Option(None, "--gate", metavar="P",
+                                         help="Evaluate each stage as it finishes; stop (exit 1) when its tau is "
+                                              "more than P percent below its upstream stage's draft."),
+    evaluate: bool = typer.Option(False, "--eval", help="Evaluate each stage as it finishes (tau, speed-up); "
+                                                        "never stops the pipeline."),
 ) -> None:
     """Launch training stages with DeepSpeed (progress line, train.log, Ctrl-C stops every rank)."""
 
@@ -66,10 +79,16 @@ def run(
         stage, overrides = split_args(list(args or []))
         if submit and not slurm:
             raise UsageError("--submit goes with --slurm")
+        pipeline.check_gate(gate)
+        if slurm and (gate is not None or evaluate):
+            raise UsageError("--gate and --eval do not go with --slurm (the batch script only trains)",
+                             hint="after the job: `longspec eval DIR`, or `longspec run DIR --all --gate P` "
+                                  "(finished stages are skipped and only measured)")
         placement = A.Placement(gpus=gpus, include=include, hostfile=hostfile, num_nodes=num_nodes,
                                 master_addr=master_addr, master_port=master_port, launcher=launcher)
         req = pipeline.RunRequest(project=project_dir, stage=stage, all=all_, dry_run=dry_run, force=force,
-                                  overrides=overrides, placement=placement, gpu_mem_gib=gpu_mem, quiet=quiet)
+                                  overrides=overrides, placement=placement, gpu_mem_gib=gpu_mem, quiet=quiet,
+                                  gate=gate, evaluate=evaluate)
         if slurm:
             from longspec_cli.launch.slurm import write_slurm
 

@@ -47,16 +47,22 @@ def validate(
         if as_json:
             typer.echo(json.dumps(report.to_json(), indent=2))
         else:
-            _render(report)
+            _render(report, [p if p.is_dir() else p.parent for p in paths])
         if report.count("error"):
             raise typer.Exit(1)
 
     run_cli(body)
 
 
-def _shown(file: str | None) -> str:
+def _shown(file: str | None, bases: list[Path] = ()) -> str:
+    """A short name for the table: relative to the folder that was checked, else to the cwd."""
     if not file:
         return ""
+    for base in bases:
+        try:
+            return str(Path(file).resolve().relative_to(base.resolve()))
+        except ValueError:
+            continue
     try:
         rel = os.path.relpath(file)
     except ValueError:
@@ -64,12 +70,12 @@ def _shown(file: str | None) -> str:
     return rel if not rel.startswith("../..") else file
 
 
-def _render(report) -> None:
+def _render(report, bases: list[Path]) -> None:
     if report.problems:
-        _table(report.problems)
+        _table(report.problems, bases)
     # Info lines and the summary go through click's styling: a clean project never imports rich.
     for p in report.info:
-        where = _shown(p.file) + (f":{p.line}" if p.line else "")
+        where = _shown(p.file, bases) + (f":{p.line}" if p.line else "")
         typer.secho(f"info  {where}  {p.message}", dim=True)
     errors, warnings = report.count("error"), report.count("warning")
     files = len(report.files)
@@ -81,7 +87,7 @@ def _render(report) -> None:
     typer.echo(" - " + ("not ready to run" if errors else "ok"))
 
 
-def _table(problems) -> None:
+def _table(problems, bases: list[Path]) -> None:
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
@@ -98,7 +104,7 @@ def _table(problems) -> None:
         msg.append(p.message)
         if p.hint:
             msg.append("\nhint: " + p.hint, style="dim")
-        where = _shown(p.file) + (f":{p.line}" if p.line else "")
+        where = _shown(p.file, bases) + (f":{p.line}" if p.line else "")
         table.add_row(Text(p.severity, style=_STYLE[p.severity]), where, msg)
     Console(soft_wrap=False).print(table)
 

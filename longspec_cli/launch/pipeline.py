@@ -7,6 +7,10 @@
               --force), DeepSpeed importable, memory estimate vs the GPUs (a warning)
     execute   per stage: chain its draft from the upstream (core.chain, as `next-stage`), validate
               it, launch (process.py), require stage_complete.json; stop at the first failure
+    evaluate  (--eval, --gate P, `demo`) per stage, before chaining into the next: `python -m
+              longspec.evaluate` on its final draft (the upstream's final draft as the baseline on
+              the same prompts), unless its eval.json is current; --gate P then stops the pipeline
+              when quality.gate_stage fails (tau more than P% below the upstream draft's)
 """
 
 from __future__ import annotations
@@ -42,6 +46,12 @@ class RunRequest:
     grace_int: float | None = None
     grace_term: float | None = None
     checked: dict[str, tuple | None] = field(default_factory=dict)  # config -> file state at preflight
+    gate: float | None = None  # --gate P: stop when a stage's tau is more than P% below its upstream's
+    evaluate: bool = False  # --eval: measure each stage after it finishes (implied by gate)
+
+    @property
+    def measuring(self) -> bool:
+        return self.evaluate or self.gate is not None
 
 
 @dataclass
@@ -64,16 +74,20 @@ class StageOutcome:
     tokens_per_s: float | None = None
     wall_s: float | None = None
     sha256: str | None = None
+    tau: float | None = None  # from eval.json, only when it was measured on this final draft
+    speedup: float | None = None
     note: str = ""
 
     def row(self) -> list[str]:
         f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
         return [self.name, self.action, self.result, f(self.steps, "d"), f(self.first_loss, ".4f"),
                 f(self.last_loss, ".4f"), f(self.tokens_per_s, ",.0f"), f(self.wall_s, ".1f"),
-                (self.sha256 or "-")[:16]]
+                f(self.tau, ".2f"), f(self.speedup, ".2f"), (self.sha256 or "-")[:16]]
 
 
-SUMMARY_HEADER = ["stage", "action", "result", "steps", "first loss", "last loss", "tokens/s", "wall s", "sha256"]
+SUMMARY_HEADER = ["stage", "action", "result", "steps", "first loss", "last loss", "tokens/s", "wall s",
+                  "tau", "speed-up", "sha256"]
+GATE_FAILED = "gate failed"
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -360,6 +374,7 @@ def resolve_placement(manifest: Manifest, p: A.Placement) -> A.Placement:
 def prepare(req: RunRequest, console: Console) -> tuple[Manifest, list[StagePlan], A.Placement, A.Resources]:
     from longspec_cli.core.manifest import load_manifest
 
+    check_gate(req.gate)
     manifest = load_manifest(req.project)
     first = manifest.stage(req.stage) if req.stage else manifest.stages[0]
     A.check_overrides(req.overrides, known_top_level(first) if first.config.is_file() else None)
@@ -379,7 +394,9 @@ def run_request(req: RunRequest, console: Console | None = None) -> list[StageOu
     for p in plans:
         console.say(f"  {p.spec.name:<10} {p.action:<7} {p.reason}")
     if not todo:
-        if plans:
+        if plans and req.measuring and not req.dry_run:  # nothing to train: measure (and gate) what is there
+            outcomes = execute(manifest, plans, placement, res, req, console)
+        elif plans:
             print_summary([_outcome(p.spec, "skip", "skipped") for p in plans], console)
         if req.stage and not req.all:
             console.say(f"nothing to do: stage {req.stage} is done with this config and input draft "
@@ -399,12 +416,16 @@ def run_request(req: RunRequest, console: Console | None = None) -> list[StageOu
         lines, warning = memory_report(manifest, p.spec, req.overrides, res, req.gpu_mem_gib)
         if req.dry_run:
             conf, exp = exp_location(p.spec)
-            cmd = A.build_launch(placement, res, conf, exp, p.spec.output_dir, req.overrides,
-                                 launcher=_dry_launcher())
+            cmd = with_ops_dir(A.build_launch(placement, res, conf, exp, p.spec.output_dir, req.overrides,
+                                              launcher=_dry_launcher()))
             console.say(f"\n# stage {p.spec.name} ({p.action}{': ' + p.reason if p.reason else ''})"
                         + (f"; its draft is chained from {p.spec.draft_from} first" if p.spec.draft_from
                            and p.spec.draft_from in {q.spec.name for q in todo} else ""))
             console.say(cmd.shell())
+            if req.measuring:
+                console.say("# then: " + " ".join(eval_argv(manifest, p.spec))
+                            + (f" ; gate: stop unless tau >= {100 - req.gate:g}% of the upstream draft's"
+                               if req.gate is not None else ""))
             for line in lines:
                 console.say("# " + line)
         if warning:
@@ -447,19 +468,133 @@ def execute(manifest: Manifest, plans: list[StagePlan], placement: A.Placement, 
     outcomes: list[StageOutcome] = []
     with locked(manifest.root / ".longspec-run", timeout=0.5):
         for i, p in enumerate(plans):
-            if p.action == "skip":
-                outcomes.append(_outcome(p.spec, "skip", "skipped"))
-                continue
+            out: StageOutcome | None = None
             try:
-                outcomes.append(run_one(manifest, p, placement, res, req, console))
+                if p.action == "skip":
+                    out = _outcome(p.spec, "skip", "skipped")
+                else:
+                    out = run_one(manifest, p, placement, res, req, console)
+                if req.measuring:
+                    measure_stage(manifest, p.spec, out, req, console)  # before the next stage chains
             except LongspecError as e:
-                outcomes.append(_outcome(p.spec, p.action, "interrupted" if e.exit_code == INTERRUPTED
-                                         else "failed", wall_s=p.wall_s, note=e.message.splitlines()[0]))
+                if out is None:
+                    out = _outcome(p.spec, p.action, "interrupted" if e.exit_code == INTERRUPTED
+                                   else "failed", wall_s=p.wall_s, note=e.message.splitlines()[0])
+                elif out.result != GATE_FAILED:  # trained, but its measuring failed or was interrupted
+                    out.result = "interrupted" if e.exit_code == INTERRUPTED else "eval failed"
+                    out.note = out.note or e.message.splitlines()[0]
+                outcomes.append(out)
                 outcomes += [_outcome(q.spec, q.action, "not run") for q in plans[i + 1:]]
                 print_summary(outcomes, console)
                 raise
+            outcomes.append(out)
     print_summary(outcomes, console)
     return outcomes
+
+
+# ----------------------------------------------------------------------------- evaluate + gate
+
+def check_gate(pct: float | None) -> None:
+    """--gate P: a percentage in 0..100 (UsageError, exit 2, otherwise)."""
+    import math
+
+    if pct is None:
+        return
+    if isinstance(pct, bool) or not isinstance(pct, (int, float)) or not math.isfinite(pct) or pct < 0 or pct > 100:
+        raise UsageError(f"--gate {pct!r}: must be a number >= 0 (a percentage, at most 100)",
+                         hint="--gate 10 stops the pipeline when a stage's tau is more than 10% below "
+                              "its upstream stage's; --gate 0 demands no drop at all")
+
+
+def _final(spec: StageSpec) -> tuple[Path | None, str | None]:
+    """(final weights, their sha256 per stage_complete.json) of a finished stage, else (None, None)."""
+    rd = runfolder.RunDir(spec.output_dir)
+    complete = rd.stage_complete()
+    if complete is None:
+        return None, None
+    return rd.weights_for(complete), complete.get("sha256")
+
+
+def current_eval(spec: StageSpec, upstream: StageSpec | None) -> dict | None:
+    """The stage's eval.json when it was measured on its final draft (and, for a stage with an
+    upstream, with that upstream's final draft as the baseline); None when it must be measured."""
+    ev = _eval_of(spec, _final(spec)[1])
+    if ev is None:
+        return None
+    if upstream is not None:
+        base = ev.get("baseline")
+        if not isinstance(base, dict) or base.get("draft_sha256") != _final(upstream)[1]:
+            return None
+    return ev
+
+
+def eval_argv(manifest: Manifest, spec: StageSpec) -> list[str]:
+    """`python -m longspec.evaluate` for a stage, as `longspec eval` runs it (default settings)."""
+    from longspec_cli.core import quality
+
+    up = manifest.stage(spec.draft_from) if spec.draft_from else None
+    weights = (_final(up)[0] or runfolder.RunDir(up.output_dir).final_weights) if up else None
+    return quality.eval_command(spec.output_dir, spec.name, baseline_draft=weights,
+                                baseline_stage=up.name if up else None)
+
+
+def measure_stage(manifest: Manifest, spec: StageSpec, out: StageOutcome, req: RunRequest, console: Console) -> None:
+    """Evaluate a finished stage unless its eval.json is current; then, with --gate, the gate.
+    Fills out.tau / out.speedup; raises to stop the pipeline (gate failed, or eval failed under --gate)."""
+    from longspec_cli.core import quality
+
+    up = manifest.stage(spec.draft_from) if spec.draft_from else None
+    ev = current_eval(spec, up)
+    if ev is not None:
+        console.say(f"== {spec.name}: eval.json is current (tau {ev['tau']:.2f}); not measured again")
+    else:
+        ev = _run_eval(manifest, spec, out, req, console)
+        if ev is None:  # --eval only: a warning was printed, the pipeline goes on
+            return
+    out.tau, out.speedup = _num(ev.get("tau")), _num(ev.get("speedup"))
+    if req.gate is None:
+        if ev.get("lossless") is not True:
+            console.warn(f"{spec.name}: speculative output differs from greedy output (not lossless); "
+                         f"see {spec.output_dir / quality.EVAL_NAME}")
+        return
+    ok, msg = quality.gate_stage(spec.output_dir, up.output_dir if up else None, req.gate,
+                                 cur_sha256=_final(spec)[1], prev_sha256=_final(up)[1] if up else None)
+    console.say(f"== {spec.name}: gate (--gate {req.gate:g}) {'passed' if ok else 'FAILED'}: {msg}")
+    if not ok:
+        out.result, out.note = GATE_FAILED, f"failed the quality gate (--gate {req.gate:g}): {msg}"
+        last = manifest.stages[-1].name == spec.name
+        raise RefusedError(f"stage {spec.name} failed the quality gate (--gate {req.gate:g}): {msg}"
+                           + ("" if last else "; the next stage was not started"),
+                           hint=f"`longspec eval {manifest.root} {spec.name}` shows the figures per prompt")
+
+
+def _run_eval(manifest: Manifest, spec: StageSpec, out: StageOutcome, req: RunRequest,
+              console: Console) -> dict | None:
+    """Run the evaluator (as `longspec eval`); the result, or None after a warning (--eval only)."""
+    from longspec_cli.launch.jsonproc import run_trainer_json
+
+    argv = eval_argv(manifest, spec)
+    console.say(f"\n== {spec.name}: evaluating\n$ {' '.join(argv)}")
+    t0 = time.monotonic()
+    try:
+        ev = run_trainer_json(argv, show_progress=not req.quiet, allow_codes=(1,))  # 1: not lossless
+    except KeyboardInterrupt:
+        raise LongspecError(f"stage {spec.name}: evaluation interrupted", exit_code=INTERRUPTED) from None
+    except LongspecError as e:
+        if e.exit_code == INTERRUPTED:
+            raise
+        out.note = f"evaluation failed: {e.message.splitlines()[0]}"
+        if req.gate is not None:  # no figures, no gate: refused (exit 1), whatever the evaluator's own code
+            raise RefusedError(f"stage {spec.name}: evaluation failed, so the gate cannot pass: {e.message}",
+                               hint=f"run it alone: `longspec eval {manifest.root} {spec.name}`"
+                                    + (f" (the evaluator's hint: {e.hint})" if e.hint else "")) from None
+        console.warn(f"{spec.name}: {out.note}")
+        return None
+    base = ev.get("baseline") if isinstance(ev.get("baseline"), dict) else None
+    console.say(f"== {spec.name}: tau {ev['tau']:.2f}" + (f" (upstream draft {base['tau']:.2f})" if base else "")
+                + f", speed-up x{ev.get('speedup', 0):.2f}, lossless {'yes' if ev.get('lossless') else 'NO'}"
+                + f" ({time.monotonic() - t0:.1f} s)")
+    return ev
 
 
 def run_one(manifest: Manifest, p: StagePlan, placement: A.Placement, res: A.Resources, req: RunRequest,
@@ -473,14 +608,14 @@ def run_one(manifest: Manifest, p: StagePlan, placement: A.Placement, res: A.Res
         if moved:
             console.say(f"{spec.name}: moved the previous run folder to {moved}")
     if spec.draft_from:
-        _chain_into(manifest, spec, console, chain)
+        _chain_into(manifest, spec, console, chain, deep=False if _draft_measured(manifest, spec) else None)
     if req.checked.get(str(spec.config)) != file_state(spec.config):  # chained (or edited) since the preflight
         problems = validation_problems(manifest, [p], res.world_size, only=p, overrides=req.overrides)
         if _report_problems([q for q in problems if q.severity == "error"], console) and not req.force:
             raise RefusedError(f"stage {spec.name}: validation errors; not started",
                                hint="fix them, or pass --force to launch anyway")
     conf, exp = exp_location(spec)
-    cmd = A.build_launch(placement, res, conf, exp, spec.output_dir, req.overrides)
+    cmd = with_ops_dir(A.build_launch(placement, res, conf, exp, spec.output_dir, req.overrides))
     console.say(f"\n== {spec.name}: {p.action}{' (' + p.reason + ')' if p.reason else ''}\n$ {cmd.shell()}")
     kw = {k: v for k, v in (("grace_int", req.grace_int), ("grace_term", req.grace_term)) if v is not None}
     result = process.run_stage_process(cmd, spec.output_dir, spec.name, runfolder.config_overrides(req.overrides),
@@ -502,15 +637,55 @@ def run_one(manifest: Manifest, p: StagePlan, placement: A.Placement, res: A.Res
     return out
 
 
-def _chain_into(manifest: Manifest, spec: StageSpec, console: Console, chain) -> None:
-    """Point `spec` at its upstream's verified final draft, exactly as `longspec next-stage --to`."""
+def ops_build_dir() -> str:
+    """TORCH_EXTENSIONS_DIR for the launches: one folder per Python environment, beside torch's own.
+
+    DeepSpeed JIT-builds its CPU ops (cpu_adam, the shm comm op) into torch's extension folder,
+    which every environment of a user shares: two environments (two checkouts, two venvs)
+    alternating on one machine rebuild each other's ops, about two minutes per launch here."""
+    import hashlib
+
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    env_id = hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:12]
+    return os.path.join(cache, "torch_extensions", f"longspec-{env_id}")
+
+
+def with_ops_dir(cmd: A.LaunchCommand) -> A.LaunchCommand:
+    """The launch with TORCH_EXTENSIONS_DIR set (unless the user set it: theirs is inherited)."""
+    from dataclasses import replace
+
+    if "TORCH_EXTENSIONS_DIR" in os.environ or "TORCH_EXTENSIONS_DIR" in cmd.env:
+        return cmd
+    return replace(cmd, env={**cmd.env, "TORCH_EXTENSIONS_DIR": ops_build_dir()})
+
+
+def _draft_measured(manifest: Manifest, spec: StageSpec) -> bool:
+    """True when the upstream's final draft was just loaded against this stage's target by the
+    evaluator (a current eval.json): the chain's separate load check (a torch subprocess) would
+    repeat it."""
+    up = manifest.stage(spec.draft_from)
+    ev = _eval_of(up, _final(up)[1])
+    if ev is None or not isinstance(ev.get("target"), str):
+        return False
+    c = composed(spec.config)
+    target = c.data.get("model_name_or_path") if c.ok and isinstance(c.data, dict) else None
+    if not isinstance(target, str) or "${" in target:
+        return False
+    t = Path(os.path.expanduser(target))
+    t = t if t.is_absolute() else manifest.root / t
+    return os.path.realpath(t) == os.path.realpath(ev["target"])
+
+
+def _chain_into(manifest: Manifest, spec: StageSpec, console: Console, chain, deep: bool | None = None) -> None:
+    """Point `spec` at its upstream's verified final draft, exactly as `longspec next-stage --to`
+    (deep=False: without the subprocess load check, when the evaluator has just done it)."""
     from longspec_cli.core.status import stage_status
 
     prev = manifest.stage(spec.draft_from)
     if stage_status(prev).state != "done":
         raise RefusedError(f"stage {spec.name} starts from {prev.name}'s draft, but {prev.name} is not done",
                            hint=f"run it first: `longspec run {manifest.root} {prev.name}` (or use --all)")
-    result = chain.chain_project(manifest, spec.name, dry_run=False, deep=None)
+    result = chain.chain_project(manifest, spec.name, dry_run=False, deep=deep)
     if result is not None:
         state = "set" if result.written else "already set"
         console.say(f"{spec.name}: draft_model_name_or_path {state} to {result.new} "
@@ -553,11 +728,25 @@ def _outcome(spec: StageSpec, action: str, result: str, wall_s: float | None = N
         out.steps = steps[-1].get("step") if isinstance(steps[-1].get("step"), int) else None
     if complete is not None:
         out.sha256 = complete.get("sha256")
+        ev = _eval_of(spec, out.sha256)
+        if ev is not None:
+            out.tau, out.speedup = _num(ev.get("tau")), _num(ev.get("speedup"))
         if isinstance(complete.get("steps"), int):
             out.steps = complete["steps"]
         if _num(complete.get("final_loss")) is not None:
             out.last_loss = _num(complete.get("final_loss"))
     return out
+
+
+def _eval_of(spec: StageSpec, sha256: str | None) -> dict | None:
+    """The stage's eval.json when it was measured on the draft with this sha256, else None."""
+    from longspec_cli.core import quality
+
+    try:
+        ev = quality.read_eval(spec.output_dir)
+    except quality.EvalFileError:
+        return None
+    return ev if ev is not None and quality.eval_is_current(ev, sha256) else None
 
 
 def _num(v: Any) -> float | None:

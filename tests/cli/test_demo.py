@@ -1,4 +1,5 @@
-"""`longspec demo`: the tiny preset end to end, three chained stages, checked by sha256 (slow)."""
+"""`longspec demo`: the tiny preset end to end, three chained stages, checked by sha256, each
+stage measured (tau, speed-up) on its final draft (slow)."""
 
 from __future__ import annotations
 
@@ -37,13 +38,26 @@ def test_demo_runs_three_chained_stages_and_prints_the_summary(tmp_path):
     for stage, prev in (("long", "base"), ("longcot", "long")):
         text = (demo / "conf" / "exp" / f"{stage}.yaml").read_text()
         assert f"draft_model_name_or_path: {runs[prev] / 'draft_model_weights.pth'}" in text
-    # the summary table: one row per stage with steps, losses, tokens/s, wall time, sha256 prefix
+    # every stage was measured on its own final draft (the upstream's final draft as the baseline)
+    ev = {s: json.loads((d / "eval.json").read_text()) for s, d in runs.items()}
+    for s, e in ev.items():
+        assert e["draft_sha256"] == done[s]["sha256"] and e["lossless"] is True
+    assert "baseline" not in ev["base"]
+    assert ev["long"]["baseline"]["draft_sha256"] == done["base"]["sha256"]
+    assert ev["longcot"]["baseline"]["draft_sha256"] == done["long"]["sha256"]
+    # the summary table: one row per stage with steps, losses, tokens/s, wall time, tau, speed-up, sha256 prefix
+    header = next(line.split() for line in res.stdout.splitlines() if line.split()[:3] == ["stage", "action", "result"])
+    assert header == ["stage", "action", "result", "steps", "first", "loss", "last", "loss", "tokens/s", "wall", "s",
+                      "tau", "speed-up", "sha256"]
     rows = {line.split()[0]: line.split() for line in res.stdout.splitlines()
             if line.split() and line.split()[0] in runs and "done" in line.split()[:3]}
     assert set(rows) == set(runs)
     for s, row in rows.items():
-        assert row[3] == "3" and row[-1] == done[s]["sha256"][:16]
-        float(row[4]), float(row[5]), float(row[7])  # first loss, last loss, wall s are numbers
+        assert len(row) == 11 and row[3] == "3" and row[-1] == done[s]["sha256"][:16]
+        float(row[4]), float(row[5]), float(row[7]), float(row[9])  # first loss, last loss, wall s, speed-up
+        tau = float(row[8])
+        assert tau >= 1.0 and tau == round(ev[s]["tau"], 2)  # tokens per target forward: at least the bonus token
+        assert float(row[9]) == round(ev[s]["speedup"], 2)
     assert "demo finished in" in res.stdout
 
     # run again: every stage is skipped, nothing is launched
@@ -51,3 +65,13 @@ def test_demo_runs_three_chained_stages_and_prints_the_summary(tmp_path):
                            capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert again.returncode == 0 and again.stdout.count("skipped") == 3, again.stdout
     assert all(json.loads((d / "stage_complete.json").read_text()) == done[s] for s, d in runs.items())
+    # ... and nothing is measured again: each eval.json is current
+    assert again.stdout.count("not measured again") == 3 and "evaluating" not in again.stdout, again.stdout
+    assert all(json.loads((d / "eval.json").read_text()) == ev[s] for s, d in runs.items())
+    taus = [line.split()[-3] for line in again.stdout.splitlines() if line.split()[:1] and line.split()[0] in runs
+            and "skipped" in line.split()[:3]]
+    assert taus == [f"{ev[s]['tau']:.2f}" for s in runs]  # still shown, from the current eval.json files
+    # --no-eval: not even the check
+    quick = subprocess.run([sys.executable, "-m", "longspec_cli", "demo", str(demo), "--max-steps", "3", "--quiet",
+                            "--no-eval"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert quick.returncode == 0 and "eval.json" not in quick.stdout and "evaluating" not in quick.stdout, quick.stdout
