@@ -1,7 +1,7 @@
 """Measure a stage's draft: tau, speculative vs plain tokens/s, speed-up, and losslessness.
 
     python -m longspec.evaluate RUN_DIR [--prompts FILE] [--gamma 4] [--max-new-tokens 64]
-                                [--num-prompts 8] [--context-tokens N] [--json] [--no-write]
+                                [--num-prompts N] [--context-tokens N] [--json] [--no-write]
 
 RUN_DIR is a finished stage's output_dir. Its training_config.yaml (the resolved config the
 trainer wrote) names the target, the training data, the draft's sliding window and the stage's
@@ -35,7 +35,14 @@ from typing import Any
 EVAL_NAME = "eval.json"
 DEFAULT_GAMMA = 4
 DEFAULT_MAX_NEW = 64
-DEFAULT_PROMPTS = 8
+# Prompts to decode when --num-prompts is not given: a budget of prompt tokens, so short-context
+# stages get many prompts (tau varies a lot from prompt to prompt) and 32k stages stay affordable.
+PROMPT_TOKEN_BUDGET = 4096
+MIN_PROMPTS, MAX_PROMPTS = 8, 32
+
+
+def default_num_prompts(context_tokens: int) -> int:
+    return max(MIN_PROMPTS, min(MAX_PROMPTS, PROMPT_TOKEN_BUDGET // max(1, context_tokens)))
 MIN_CONTEXT = 8
 
 
@@ -340,7 +347,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="also decode the same prompts with this draft (the upstream stage's) and report its tau")
     p.add_argument("--baseline-stage", help="name of the stage --baseline-draft comes from (for eval.json)")
     p.add_argument("--prompts", type=Path, help="JSON/JSONL prompts file (overrides --data)")
-    p.add_argument("--num-prompts", type=int, default=DEFAULT_PROMPTS)
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help=f"default: {PROMPT_TOKEN_BUDGET} prompt tokens' worth, {MIN_PROMPTS} to {MAX_PROMPTS}")
     p.add_argument("--gamma", type=int, default=DEFAULT_GAMMA)
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW)
     p.add_argument("--context-tokens", type=int, help="cut rendered records to this many tokens")
@@ -354,7 +362,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-write", action="store_true", help="do not write eval.json")
     args = p.parse_args(argv)
     for name in ("num_prompts", "gamma", "max_new_tokens", "threads"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise EvalError(f"--{name.replace('_', '-')} must be >= 1", 2)
     if args.context_tokens is not None and args.context_tokens < 1:
         raise EvalError("--context-tokens must be >= 1", 2)
@@ -393,6 +401,8 @@ def evaluate(args: argparse.Namespace, log=None) -> dict:
     model, tw, gdraft, tok = load_models(target, draft, window, dtype, device)
 
     cap = args.context_tokens or max(MIN_CONTEXT, max_seq - args.max_new_tokens)
+    if args.num_prompts is None:
+        args.num_prompts = default_num_prompts(cap)
     if args.prompts is not None:
         prompts, pinfo = file_prompts(args.prompts, tok, conf, n=args.num_prompts, cap=cap)
     else:

@@ -39,7 +39,9 @@ def eval_cmd(
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSON/JSONL prompts: strings or {\"prompt\": ...}."),
     gamma: int = typer.Option(4, "--gamma", min=1, max=32, help="Draft tokens proposed per target forward."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="Tokens generated per prompt."),
-    num_prompts: int = typer.Option(8, "--num-prompts", min=1, help="Held-out records to use as prompts."),
+    num_prompts: Optional[int] = typer.Option(None, "--num-prompts", min=1,
+                                              help="Held-out records to use as prompts (default: 8 to 32, "
+                                                   "4,096 prompt tokens' worth)."),
     context_tokens: Optional[int] = typer.Option(None, "--context-tokens", min=1,
                                                  help="Prompt length (default: the stage's max_seq_length - max_new_tokens)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),

@@ -72,7 +72,7 @@ def gate_check(prev_tau: float | None, cur_tau: float, pct: float) -> tuple[bool
 
 
 def eval_command(output_dir: str | os.PathLike, stage: str, *, gamma: int = 4, max_new_tokens: int = 64,
-                 num_prompts: int = 8, prompts: str | os.PathLike | None = None, device: str = "auto",
+                 num_prompts: int | None = None, prompts: str | os.PathLike | None = None, device: str = "auto",
                  baseline_draft: str | os.PathLike | None = None, baseline_stage: str | None = None,
                  python: str | None = None) -> list[str]:
     """argv of the measuring process (`python -m longspec.evaluate RUN ... --json`): it writes
@@ -80,8 +80,9 @@ def eval_command(output_dir: str | os.PathLike, stage: str, *, gamma: int = 4, m
     or no finished draft, 2 usage, 3 unreadable input. ``baseline_draft``: the upstream stage's
     final draft, decoded on the same prompts (eval.json `baseline.tau`, what gate_stage compares)."""
     argv = [python or sys.executable, "-m", "longspec.evaluate", str(output_dir), "--stage", stage,
-            "--gamma", str(gamma), "--max-new-tokens", str(max_new_tokens), "--num-prompts", str(num_prompts),
-            "--device", device, "--json"]
+            "--gamma", str(gamma), "--max-new-tokens", str(max_new_tokens), "--device", device, "--json"]
+    if num_prompts is not None:  # else the evaluator picks by prompt length (8 to 32)
+        argv += ["--num-prompts", str(num_prompts)]
     if prompts is not None:
         argv += ["--prompts", str(prompts)]
     if baseline_draft is not None:

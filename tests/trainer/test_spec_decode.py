@@ -263,3 +263,11 @@ def test_evaluate_refuses_a_run_without_finished_draft(tmp_path, capsys):
     assert json.loads(out.out)["error"].startswith("stage base has no finished draft")
     assert main([str(tmp_path / "missing")]) == 2
     assert main([str(run), "--gamma", "0"]) == 2
+
+
+def test_default_prompt_count_follows_a_token_budget():
+    from longspec.evaluate import MAX_PROMPTS, MIN_PROMPTS, default_num_prompts
+
+    assert default_num_prompts(64) == MAX_PROMPTS      # short prompts: many, tau varies per prompt
+    assert default_num_prompts(448) == 9
+    assert default_num_prompts(32_000) == MIN_PROMPTS  # 32k prompts: a few
