@@ -30,7 +30,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 EVAL_NAME = "eval.json"
 DEFAULT_GAMMA = 4
@@ -39,6 +39,27 @@ DEFAULT_MAX_NEW = 64
 # stages get many prompts (tau varies a lot from prompt to prompt) and 32k stages stay affordable.
 PROMPT_TOKEN_BUDGET = 4096
 MIN_PROMPTS, MAX_PROMPTS = 8, 32
+
+
+def stage_draft(run_dir: Path, conf: Mapping, complete: Mapping | None, args) -> tuple[str, Path, Path, int]:
+    """(stage, draft weights, target, sliding window) of a run folder; --stage/--draft/--target/
+    --sliding-window in ``args`` win over what the run recorded. Shared by eval and export."""
+    from longspec_cli.core import runfolder
+
+    stage = args.stage or _get(conf, "stage") or (complete or {}).get("stage") or run_dir.name
+    draft = args.draft
+    if draft is None:
+        if complete is None:
+            raise EvalError(f"stage {stage} has no finished draft ({run_dir} has no stage_complete.json)", 1,
+                            hint="train the stage first, or pass --draft PATH")
+        draft = runfolder.RunDir(run_dir).weights_for(complete)
+    if not draft.exists():
+        raise EvalError(f"draft weights not found: {draft}", 1 if args.draft is None else 2)
+    target = args.target or _path(_get(conf, "model_name_or_path")) or _path((complete or {}).get("target"))
+    if target is None:
+        raise EvalError(f"{run_dir}: no target recorded (training_config.yaml missing)", 2, hint="pass --target PATH")
+    window = args.sliding_window or int(_get(conf, "draft.sliding_window", 512))
+    return str(stage), draft, target, window
 
 
 def default_num_prompts(context_tokens: int) -> int:
@@ -377,19 +398,7 @@ def evaluate(args: argparse.Namespace, log=None) -> dict:
 
     run_dir = args.run_dir
     conf, complete = read_run(run_dir)
-    stage = args.stage or _get(conf, "stage") or (complete or {}).get("stage") or run_dir.name
-    draft = args.draft
-    if draft is None:
-        if complete is None:
-            raise EvalError(f"stage {stage} has no finished draft ({run_dir} has no stage_complete.json)", 1,
-                            hint="train the stage first, or pass --draft PATH")
-        draft = runfolder.RunDir(run_dir).weights_for(complete)
-    if not draft.exists():
-        raise EvalError(f"draft weights not found: {draft}", 1 if args.draft is None else 2)
-    target = args.target or _path(_get(conf, "model_name_or_path")) or _path((complete or {}).get("target"))
-    if target is None:
-        raise EvalError(f"{run_dir}: no target recorded (training_config.yaml missing)", 2, hint="pass --target PATH")
-    window = args.sliding_window or int(_get(conf, "draft.sliding_window", 512))
+    stage, draft, target, window = stage_draft(run_dir, conf, complete, args)
     max_seq = int(_get(conf, "data.max_seq_length", 1024))
 
     torch.manual_seed(args.seed)

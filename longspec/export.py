@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
-from longspec.evaluate import EvalError, _get, _path, read_run
+from longspec.evaluate import EvalError, read_run, stage_draft
 
 FORMATS = ("hf", "safetensors")
 FORMAT_VERSION = 1
@@ -246,24 +246,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from longspec_cli.core import runfolder
-
     conf, complete = read_run(args.run_dir)
-    stage = args.stage or _get(conf, "stage") or (complete or {}).get("stage") or args.run_dir.name
-    weights = args.draft
-    if weights is None:
-        if complete is None:
-            raise EvalError(f"stage {stage} has no finished draft ({args.run_dir} has no stage_complete.json)", 1,
-                            hint="train the stage first, or pass --draft PATH")
-        weights = runfolder.RunDir(args.run_dir).weights_for(complete)
-    if not weights.exists():
-        raise EvalError(f"draft weights not found: {weights}", 1 if args.draft is None else 2)
-    target = args.target or _path(_get(conf, "model_name_or_path")) or _path((complete or {}).get("target"))
-    if target is None:
-        raise EvalError(f"{args.run_dir}: no target recorded", 2, hint="pass --target PATH")
-    window = args.sliding_window or int(_get(conf, "draft.sliding_window", 512))
-    out = (args.out or default_out(args.run_dir, str(stage), args.fmt)).expanduser().absolute()
-    return export_draft(weights, target, args.fmt, out, sliding_window=window, stage=str(stage), force=args.force)
+    stage, weights, target, window = stage_draft(args.run_dir, conf, complete, args)
+    out = (args.out or default_out(args.run_dir, stage, args.fmt)).expanduser().absolute()
+    return export_draft(weights, target, args.fmt, out, sliding_window=window, stage=stage, force=args.force)
 
 
 def main(argv: list[str] | None = None) -> int:
