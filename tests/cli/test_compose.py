@@ -13,9 +13,7 @@ from longspec_cli.core.compose import (compose_file, config_root, fast_parse, sc
                                        split_interpolations)
 
 ROOT = Path(__file__).resolve().parents[2]
-UPSTREAM = Path("/work/shared/upstream-longspec")
-if not UPSTREAM.is_dir():
-    UPSTREAM = ROOT.parent / "shared" / "upstream-longspec"
+UPSTREAM = ROOT.parent / "shared" / "upstream-longspec"
 
 
 def write(path: Path, text: str) -> Path:

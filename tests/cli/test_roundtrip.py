@@ -17,7 +17,7 @@ from longspec_cli.core.yamlio import parse, to_plain
 from .conftest import no_traceback, panel_text
 
 runner = CliRunner()
-UPSTREAM = Path("/work/shared/upstream-longspec/conf/exp")
+UPSTREAM = Path(__file__).resolve().parents[3] / "shared" / "upstream-longspec" / "conf" / "exp"
 KEY = "draft_model_name_or_path"
 
 

@@ -13,9 +13,7 @@ from longspec_cli.app import app
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[2]
-CORPUS = Path("/work/shared/upstream-longspec")
-if not CORPUS.is_dir():
-    CORPUS = ROOT.parent / "shared" / "upstream-longspec"
+CORPUS = ROOT.parent / "shared" / "upstream-longspec"
 EXP = CORPUS / "conf" / "exp"
 
 pytestmark = pytest.mark.skipif(not EXP.is_dir(), reason="upstream corpus not present")

@@ -130,9 +130,7 @@ def assert_same_reading(text: str) -> None:
     assert _fast_lines(fast) == _ruamel_lines(slow)
 
 
-UPSTREAM_CONF = Path("/work/shared/upstream-longspec/conf")
-if not UPSTREAM_CONF.is_dir():
-    UPSTREAM_CONF = Path(__file__).resolve().parents[3] / "shared" / "upstream-longspec" / "conf"
+UPSTREAM_CONF = Path(__file__).resolve().parents[3] / "shared" / "upstream-longspec" / "conf"
 UPSTREAM_FILES = sorted(UPSTREAM_CONF.rglob("*.yaml"))
 
 
