@@ -5,9 +5,9 @@
 hf           a folder in the layout of the released LongSpec drafts (sail/longspec-*): the
              reference inference code loads them with `<Family>GlideDecoderLayer.from_pretrained`,
              a PreTrainedModel whose config class is the target family's (Qwen2Config /
-             LlamaConfig) and whose state dict is the bare decoder block. So:
+             LlamaConfig / ...) and whose state dict is the bare decoder block. So:
                config.json        model_type of the target family, architectures
-                                  ["Qwen2GlideDecoderLayer"] / ["LlamaGlideDecoderLayer"], the
+                                  ["<Family>GlideDecoderLayer"] (longspec.families), the
                                   draft's sizes, rope, sliding window, the target's name/path
                model.safetensors  unprefixed keys: self_attn.*, cross_attn.*, mlp.*,
                                   input_layernorm / post_self_attention_layernorm /
@@ -34,7 +34,6 @@ from longspec.evaluate import EvalError, read_run, stage_draft
 
 FORMATS = ("hf", "safetensors")
 FORMAT_VERSION = 1
-ARCHITECTURES = {"qwen2": "Qwen2GlideDecoderLayer", "llama": "LlamaGlideDecoderLayer"}
 HF_WEIGHTS = "model.safetensors"
 HF_CONFIG = "config.json"
 
@@ -46,12 +45,12 @@ def draft_config_json(target_config: Any, draft_cfg, *, target_name: str, dtype:
     """config.json of an exported draft: a valid config of the target's family describing ONE block."""
     import transformers
 
-    from longspec.model import _rope_params
+    from longspec.families import FAMILIES, rope_params
 
-    theta, rope_type = _rope_params(target_config)
+    theta, rope_type = rope_params(target_config)
     rope_parameters = getattr(target_config, "rope_parameters", None)
     cfg = {
-        "architectures": [ARCHITECTURES[draft_cfg.family]],
+        "architectures": [FAMILIES[draft_cfg.family].architecture],
         "model_type": draft_cfg.family,
         "hidden_size": draft_cfg.hidden_size,
         "intermediate_size": draft_cfg.intermediate_size,

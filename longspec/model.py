@@ -23,8 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from longspec import kernels
-
-FAMILIES = ("qwen2", "llama")
+from longspec.families import FAMILIES, get_family, rope_params as _rope_params  # noqa: F401 (re-exported)
 
 
 # ----------------------------------------------------------------------------- config
@@ -42,23 +41,18 @@ class DraftConfig:
     max_position_embeddings: int = 4096
     attention_bias: bool = True         # the reference draft has q/k/v biases in both families
     family: str = "qwen2"
+    qk_norm: bool = False               # per-head q/k RMSNorm before RoPE (the family's layout)
     sliding_window: int = 512
     initializer_range: float = 0.02
 
     @classmethod
     def from_target_config(cls, hf_config: Any, sliding_window: int = 512,
                            attention_bias: bool | None = None) -> "DraftConfig":
-        """Read a transformers config (Qwen2 / Llama, transformers 4.x or 5.x).
+        """Read a transformers config of a family in longspec.families (transformers 4.x or 5.x).
 
-        ``attention_bias``: None keeps the reference draft layout (q/k/v biases for both
-        families; the reference builds its draft attention with bias=True even for Llama).
+        ``attention_bias``: None takes the family's draft layout (longspec.families).
         """
-        family = getattr(hf_config, "model_type", None)
-        if family not in FAMILIES:
-            raise ValueError(f"unsupported target family {family!r}; longspec drafts support {', '.join(FAMILIES)}")
-        act = getattr(hf_config, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r} (the GLIDE draft MLP is SwiGLU)")
+        family = get_family(hf_config)          # ValueError: the one refusal sentence
         if sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 (got {sliding_window})")
         nh = hf_config.num_attention_heads
@@ -74,24 +68,15 @@ class DraftConfig:
             rope_theta=theta,
             rope_type=rope_type,
             max_position_embeddings=hf_config.max_position_embeddings,
-            attention_bias=True if attention_bias is None else attention_bias,
-            family=family,
+            attention_bias=family.attention_bias if attention_bias is None else attention_bias,
+            family=family.name,
+            qk_norm=family.qk_norm,
             sliding_window=sliding_window,
             initializer_range=getattr(hf_config, "initializer_range", 0.02),
         )
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def _rope_params(hf_config: Any) -> tuple[float, str]:
-    """(rope_theta, rope_type): transformers 5 keeps them in rope_parameters, 4.x on the config."""
-    params = getattr(hf_config, "rope_parameters", None)
-    if isinstance(params, dict) and "rope_theta" in params:
-        return float(params["rope_theta"]), str(params.get("rope_type", "default"))
-    scaling = getattr(hf_config, "rope_scaling", None) or {}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    return float(getattr(hf_config, "rope_theta", 10000.0)), str(rope_type)
 
 
 # ----------------------------------------------------------------------------- draft block
@@ -121,7 +106,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class GlideAttention(nn.Module):
     """Projections of one draft attention. In ``cross_attn`` the keys and values come from the
-    target, so k_proj / v_proj are unused; they are kept (frozen) because reference drafts carry them."""
+    target, so k_proj / v_proj (and k_norm) are unused; they are kept (frozen) because reference
+    drafts carry them. Families with q/k norms (Qwen3) normalise each head before RoPE."""
 
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -131,10 +117,19 @@ class GlideAttention(nn.Module):
         self.k_proj = nn.Linear(H, self.kvh * self.hd, bias=bias)
         self.v_proj = nn.Linear(H, self.kvh * self.hd, bias=bias)
         self.o_proj = nn.Linear(self.nh * self.hd, H, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
 
     def heads(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """proj(x) split into heads; q_proj / k_proj outputs get the family's q/k norm."""
         B, T, _ = x.shape
-        return proj(x).view(B, T, -1, self.hd).transpose(1, 2)       # (B, heads, T, hd)
+        y = proj(x).view(B, T, -1, self.hd)                          # (B, T, heads, hd)
+        if proj is self.q_proj and hasattr(self, "q_norm"):
+            y = self.q_norm(y)
+        elif proj is self.k_proj and hasattr(self, "k_norm"):
+            y = self.k_norm(y)
+        return y.transpose(1, 2)                                     # (B, heads, T, hd)
 
     def out(self, y: torch.Tensor) -> torch.Tensor:
         B, _, T, _ = y.shape                                         # (B, nh, T, hd)
@@ -171,8 +166,9 @@ class GlideDraft(nn.Module):
         inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)   # not a state-dict key
         self.reset_parameters()
-        for p in (self.cross_attn.k_proj.parameters(), self.cross_attn.v_proj.parameters()):
-            for t in p:
+        unused = [self.cross_attn.k_proj, self.cross_attn.v_proj, getattr(self.cross_attn, "k_norm", None)]
+        for m in filter(None, unused):
+            for t in m.parameters():
                 t.requires_grad_(False)
 
     def reset_parameters(self) -> None:
@@ -306,11 +302,13 @@ def parameter_bytes(module: nn.Module) -> tuple[int, int]:
 
 
 class TargetWrapper(nn.Module):
-    """A frozen transformers causal LM (Qwen2 / Llama) that hands out what the draft needs."""
+    """A frozen transformers causal LM of a family in longspec.families that hands out what the
+    draft needs; the family entry says where each part is."""
 
     def __init__(self, hf_model: nn.Module):
         super().__init__()
         self.model = hf_model
+        self.family = get_family(hf_model.config)
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.model.eval()
@@ -325,29 +323,25 @@ class TargetWrapper(nn.Module):
 
     @property
     def base(self) -> nn.Module:
-        return getattr(self.model, self.model.base_model_prefix)
+        return self.family.decoder(self.model)
 
     @property
     def lm_head(self) -> nn.Module:
-        return self.model.get_output_embeddings()
-
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_hidden_layers
+        return self.family.lm_head(self.model)
 
     @torch.no_grad()
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(B, T) -> (B, T, H). Calls the embedding module so ZeRO-3 hooks gather its weight."""
-        return self.model.get_input_embeddings()(input_ids)
+        return self.family.embeddings(self.model)(input_ids)
 
     @torch.no_grad()
     def rotary(self, position_ids: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's own RoPE tables (B, T, hd), including any rope scaling."""
-        return self.base.rotary_emb(like, position_ids)
+        return self.family.rotary(self.model, like, position_ids)
 
     @torch.no_grad()
     def forward(self, input_ids, position_ids, attention_mask=None, labels=None) -> TargetOutput:
-        cache = _last_layer_cache_cls()(keep_layer=self.num_layers - 1)
+        cache = _last_layer_cache_cls()(keep_layer=self.family.kv_layer(self.config))
         out = self.base(
             input_ids=input_ids,
             position_ids=position_ids,

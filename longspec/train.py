@@ -202,7 +202,7 @@ def _target_config(target: Path):
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from longspec.model import FAMILIES
+    from longspec_cli.core.targets import refusal
 
     try:
         tcfg = AutoConfig.from_pretrained(str(target))
@@ -214,9 +214,9 @@ def _target_config(target: Path):
     if not causal:
         raise TrainError(f"model_name_or_path = {target}: not a causal language model "
                          f"(model_type {kind!r}, architectures {archs})")
-    if kind not in FAMILIES:
-        raise TrainError(f"model_name_or_path = {target}: a {kind!r} model; GLIDE drafts support "
-                         f"{' and '.join(FAMILIES)} targets")
+    problem = refusal(kind, getattr(tcfg, "hidden_act", "silu"))
+    if problem:
+        raise TrainError(f"model_name_or_path = {target}: {problem}")
     return tcfg
 
 

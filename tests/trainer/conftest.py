@@ -1,7 +1,11 @@
-"""Tiny real transformers targets (Qwen2 and Llama), built in-process from configs, seeded.
+"""Tiny real transformers targets (one per family in longspec.families), built in-process from
+configs, seeded.
 
-Nothing is downloaded: the models are random-init ``Qwen2ForCausalLM`` / ``LlamaForCausalLM``
-small enough that a forward + backward takes milliseconds on a CPU.
+Nothing is downloaded: the models are random-init ``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` /
+``Qwen3ForCausalLM`` / ``MistralForCausalLM`` small enough that a forward + backward takes
+milliseconds on a CPU. The Qwen3 one has an explicit ``head_dim`` unlike hidden / heads (as the
+real Qwen3 models do), and q/k norms with non-trivial weights so that a draft that skipped them
+would not match.
 """
 from __future__ import annotations
 
@@ -17,22 +21,44 @@ TINY_DIMS = dict(
     vocab_size=96,
     max_position_embeddings=32768,
 )
-FAMILIES = ("qwen2", "llama")
+FAMILIES = ("qwen2", "llama", "qwen3", "mistral")
+ROPE_THETA = {"qwen2": 10000.0, "llama": 500000.0, "qwen3": 1000000.0, "mistral": 1000000.0}
+QWEN3_HEAD_DIM = 32          # explicit, != hidden / heads = 16
+
+
+def tiny_config(family: str, **overrides):
+    """The transformers config of a tiny ``family`` target."""
+    import transformers
+
+    dims = {**TINY_DIMS, **overrides}
+    common = dict(rope_theta=ROPE_THETA[family], tie_word_embeddings=False)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**dims, **common)
+    if family == "llama":
+        return transformers.LlamaConfig(**dims, **common)
+    if family == "qwen3":
+        return transformers.Qwen3Config(**{"head_dim": QWEN3_HEAD_DIM, **dims}, **common)
+    if family == "mistral":
+        return transformers.MistralConfig(**{"sliding_window": 4096, **dims}, **common)
+    raise ValueError(family)
 
 
 def make_tiny_target(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
     """A random-init tiny causal LM of ``family`` in fp32, eval mode."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    dims = {**TINY_DIMS, **overrides}
+    config = tiny_config(family, **overrides)
     torch.manual_seed(seed)
-    if family == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**dims, rope_theta=10000.0, tie_word_embeddings=False))
-    elif family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**dims, rope_theta=500000.0, tie_word_embeddings=False))
-    else:
-        raise ValueError(family)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():                    # norms away from 1, so that a skipped norm shows
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)
     return model.float().eval()
+
+
+def head_dim(family: str) -> int:
+    return QWEN3_HEAD_DIM if family == "qwen3" else TINY_DIMS["hidden_size"] // TINY_DIMS["num_attention_heads"]
 
 
 @pytest.fixture(params=FAMILIES)

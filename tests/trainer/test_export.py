@@ -20,7 +20,7 @@ from longspec.checkpoint import load_draft_state, save_draft
 from longspec.evaluate import EvalError
 from longspec.export import export_draft
 from longspec.model import DraftConfig, GlideDraft
-from tests.trainer.conftest import make_tiny_target
+from tests.trainer.conftest import ROPE_THETA, head_dim, make_tiny_target
 
 ROOT = Path(__file__).resolve().parents[2]
 WINDOW = 64
@@ -57,10 +57,10 @@ def assert_same(a: dict, b: dict) -> None:
 
 def reference_style_loader(family: str):
     """A decoder-block PreTrainedModel like the reference's <Family>GlideDecoderLayer."""
-    from transformers import LlamaConfig, PreTrainedModel, Qwen2Config
+    from transformers import AutoConfig, PreTrainedModel
 
     class GlideBlockModel(PreTrainedModel):
-        config_class = Qwen2Config if family == "qwen2" else LlamaConfig
+        config_class = type(AutoConfig.for_model(family))
         base_model_prefix = "model"
 
         def __init__(self, config):
@@ -93,11 +93,13 @@ def test_hf_folder_round_trip_and_layout(tmp_path, family):
         assert f.metadata()["format"] == "pt"                  # transformers refuses safetensors without it
         assert sorted(f.keys()) == sorted(state)               # unprefixed reference keys
     cfg = json.loads((out / "config.json").read_text())
-    arch = {"qwen2": "Qwen2GlideDecoderLayer", "llama": "LlamaGlideDecoderLayer"}[family]
+    arch = {"qwen2": "Qwen2GlideDecoderLayer", "llama": "LlamaGlideDecoderLayer",
+            "qwen3": "Qwen3GlideDecoderLayer", "mistral": "MistralGlideDecoderLayer"}[family]
     assert cfg["architectures"] == [arch] and cfg["model_type"] == family
     assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"],
-            cfg["intermediate_size"]) == (64, 4, 2, 16, 128)
-    assert cfg["rms_norm_eps"] == 1e-6 and cfg["rope_theta"] == (10000.0 if family == "qwen2" else 500000.0)
+            cfg["intermediate_size"]) == (64, 4, 2, head_dim(family), 128)
+    assert cfg["rms_norm_eps"] == 1e-6 and cfg["rope_theta"] == ROPE_THETA[family]
+    assert cfg["attention_bias"] is (family in ("qwen2", "llama"))
     assert cfg["sliding_window"] == WINDOW and cfg["num_hidden_layers"] == 1
     assert cfg["target_model_name_or_path"] == str(tdir)
     assert cfg["longspec"]["draft_config"]["sliding_window"] == WINDOW

@@ -1,4 +1,4 @@
-"""GLIDE draft, frozen target wrapper and the training model, on tiny real Qwen2 / Llama targets."""
+"""GLIDE draft, frozen target wrapper and the training model, on tiny real targets of every family."""
 from __future__ import annotations
 
 import importlib
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from longspec.model import DraftConfig, GlideDraft, GlideModel, TargetWrapper, build_glide
 from longspec.positions import anchor_offset_position_ids
-from tests.trainer.conftest import TINY_DIMS, make_tiny_target
+from tests.trainer.conftest import ROPE_THETA, TINY_DIMS, head_dim, make_tiny_target
 
 # The LongSpec reference draft layer (Qwen2GlideDecoderLayer / LlamaGlideDecoderLayer): both
 # attentions have q/k/v/o projections, q/k/v with bias, o without; SwiGLU MLP; three RMSNorms.
@@ -20,6 +20,17 @@ REFERENCE_KEYS = sorted(
     + [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
     + [f"{n}.weight" for n in ("input_layernorm", "post_self_attention_layernorm", "post_cross_attention_layernorm")]
 )
+
+
+def expected_keys(family: str) -> list[str]:
+    """Qwen2 / Llama: the reference layout. Qwen3 / Mistral mirror their own layer: no q/k/v bias,
+    and Qwen3 adds per-head q/k norms to both attentions."""
+    if family in ("qwen2", "llama"):
+        return REFERENCE_KEYS
+    keys = [k for k in REFERENCE_KEYS if not k.endswith("_proj.bias")]
+    if family == "qwen3":
+        keys += [f"{attn}.{n}_norm.weight" for attn in ("self_attn", "cross_attn") for n in "qk"]
+    return sorted(keys)
 
 
 def batch(B=2, T=24, vocab=TINY_DIMS["vocab_size"], seed=0):
@@ -41,10 +52,11 @@ def glide(target, window=8):
 def test_draft_config_from_target(family, tiny_target):
     cfg = DraftConfig.from_target_config(tiny_target.config, sliding_window=256)
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (64, 128, 4, 2)
-    assert cfg.head_dim == 16 and cfg.family == family and cfg.sliding_window == 256
-    assert cfg.rope_theta == (10000.0 if family == "qwen2" else 500000.0)
+    assert cfg.head_dim == head_dim(family) and cfg.family == family and cfg.sliding_window == 256
+    assert cfg.rope_theta == ROPE_THETA[family]
     assert cfg.max_position_embeddings == 32768 and cfg.rope_type == "default"
-    assert cfg.attention_bias is True           # reference draft layout, both families
+    assert cfg.attention_bias is (family in ("qwen2", "llama"))     # reference layout for those two
+    assert cfg.qk_norm is (family == "qwen3")
 
 
 def test_draft_config_reads_transformers4_style_rope_fields():
@@ -56,18 +68,24 @@ def test_draft_config_reads_transformers4_style_rope_fields():
 
 
 def test_draft_config_rejects_other_families():
-    with pytest.raises(ValueError, match="unsupported target family"):
+    from longspec_cli.core.targets import refusal
+
+    with pytest.raises(ValueError) as e:
         DraftConfig.from_target_config(SimpleNamespace(model_type="gpt2"))
+    assert str(e.value) == refusal("gpt2", "silu")
+    with pytest.raises(ValueError, match="activation 'gelu'.*qwen2, llama, qwen3 and mistral"):
+        DraftConfig.from_target_config(SimpleNamespace(model_type="llama", hidden_act="gelu"))
 
 
 # ----------------------------------------------------------------------------- draft block
 
 def test_draft_state_dict_matches_reference_layout(family, tiny_target):
     draft = GlideDraft(DraftConfig.from_target_config(tiny_target.config))
-    assert sorted(draft.state_dict()) == REFERENCE_KEYS
-    sd = draft.state_dict()
-    assert sd["self_attn.q_proj.weight"].shape == (64, 64)
-    assert sd["self_attn.k_proj.weight"].shape == (32, 64)       # GQA: kvh * hd
+    assert sorted(draft.state_dict()) == expected_keys(family)
+    sd, hd = draft.state_dict(), head_dim(family)
+    assert sd["self_attn.q_proj.weight"].shape == (4 * hd, 64)
+    assert sd["self_attn.k_proj.weight"].shape == (2 * hd, 64)  # GQA: kvh * hd
+    assert sd["self_attn.o_proj.weight"].shape == (64, 4 * hd)
     assert sd["mlp.gate_proj.weight"].shape == (128, 64)
 
 
@@ -75,7 +93,7 @@ def test_forward_shapes(family, tiny_target):
     model = glide(tiny_target)
     ids, labels, pos = batch()
     tgt = model.target(ids, pos)
-    assert tgt.k.shape == tgt.v.shape == (2, 2, 24, 16)
+    assert tgt.k.shape == tgt.v.shape == (2, 2, 24, head_dim(family))
     assert tgt.last_hidden.shape == (2, 24, 64) and tgt.llm_loss is None
     h = model.draft(model.target.embed(ids), pos, tgt.k, tgt.v, cross_lag=2, rope=model.target.rotary(pos, tgt.last_hidden))
     assert h.shape == (2, 24, 64)
@@ -95,7 +113,7 @@ def test_only_draft_parameters_get_gradients(family, tiny_target):
     assert trainable and all(p.grad is not None and p.grad.abs().sum() > 0 for p in trainable.values())
     # cross_attn k/v projections exist only for the reference layout: frozen, unused
     frozen = sorted(n for n, p in model.draft.named_parameters() if not p.requires_grad)
-    assert frozen == ["cross_attn.k_proj.bias", "cross_attn.k_proj.weight", "cross_attn.v_proj.bias", "cross_attn.v_proj.weight"]
+    assert frozen == [k for k in expected_keys(family) if k.startswith(("cross_attn.k_", "cross_attn.v_"))]
     assert model.trainable_parameters() == list(trainable.values())
     assert model.target.model.training is False          # train() on the parent keeps the target in eval
 
@@ -111,8 +129,9 @@ def test_target_kv_are_the_last_layers_post_rope_kv(family, tiny_target):
     out = wrapper(ids, pos)
     for h in hooks:
         h.remove()
-    B, T, kvh, hd = 2, 20, 2, 16
-    k_raw = seen["k"].view(B, T, kvh, hd).transpose(1, 2)
+    B, T, kvh, hd = 2, 20, 2, head_dim(family)
+    k_raw = seen["k"].view(B, T, kvh, hd)
+    k_raw = (attn.k_norm(k_raw) if family == "qwen3" else k_raw).transpose(1, 2)   # Qwen3: norm, then RoPE
     v_raw = seen["v"].view(B, T, kvh, hd).transpose(1, 2)
     modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     cos, sin = tiny_target.model.rotary_emb(k_raw, pos)
@@ -120,6 +139,33 @@ def test_target_kv_are_the_last_layers_post_rope_kv(family, tiny_target):
     torch.testing.assert_close(out.k, k_rope)
     torch.testing.assert_close(out.v, v_raw)
     assert not torch.allclose(out.k, k_raw)                       # RoPE really was applied
+
+
+def test_draft_attention_mirrors_the_target_layer(family, tiny_target):
+    """A draft self-attention given the target last layer's q/k weights (and q/k norms) computes
+    exactly that layer's post-RoPE queries and keys: the draft layout is the family's."""
+    ids, _, pos = batch(T=12)
+    model = glide(tiny_target)
+    attn, sa = tiny_target.model.layers[-1].self_attn, model.draft.self_attn
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "q_norm", "k_norm"):
+            src = getattr(attn, name, None)
+            assert (src is None) == (not hasattr(sa, name)), name        # norms exactly where the target has them
+            if src is None:
+                continue
+            dst = getattr(sa, name)
+            dst.weight.copy_(src.weight)
+            if getattr(dst, "bias", None) is not None:
+                dst.bias.copy_(src.bias if src.bias is not None else torch.zeros_like(dst.bias))
+    seen = {}
+    hook = tiny_target.model.layers[-1].self_attn.register_forward_pre_hook(
+        lambda m, a, kw: seen.__setitem__("x", kw.get("hidden_states", a[0] if a else None)), with_kwargs=True)
+    out = model.target(ids, pos)
+    hook.remove()
+    cos, sin = model.target.rotary(pos, seen["x"])
+    from longspec.model import apply_rope
+
+    torch.testing.assert_close(apply_rope(sa.heads(sa.k_proj, seen["x"]), cos, sin), out.k)
 
 
 def test_target_llm_loss_equals_the_models_own_loss(family, tiny_target):
