@@ -18,21 +18,26 @@ EPILOG = """Examples:
 
   longspec init llama --target /models/Llama-3-8B-262k --variant standard --gpus 8 --nodes 2 --hostfile hosts
 
+  longspec init q3 --target /models/Qwen3-8B --data base=/data/slim.jsonl
+
+A local --target folder is read (config.json, tokenizer files; nothing is loaded): its family
+(qwen2, llama, qwen3, mistral), position limit (stage lengths are capped to it), precision
+(torch_dtype) and chat template fill the stage files.
 Nothing is overwritten without --force. With no flags on a terminal, a full-screen form asks."""
 
 
 def init(
     project_dir: Optional[Path] = typer.Argument(None, help="Folder to create the project in."),
-    preset: Optional[str] = typer.Option(None, "--preset", "-p", help="Target preset: qwq-32b-preview, llama3-8b-262k, vicuna-7b-16k, longchat-7b-32k, tiny."),
+    preset: Optional[str] = typer.Option(None, "--preset", "-p", help="Target preset: qwq-32b-preview, qwen3-8b, qwen3-32b, llama3.1-8b-instruct, llama3-8b-262k, vicuna-7b-16k, longchat-7b-32k, tiny."),
     variant: str = typer.Option("sinkpi", "--variant", help="standard (plain positions) or sinkpi (anchor-offset positions + noisy cross-attention lag)."),
-    target: Optional[str] = typer.Option(None, "--target", help="Path of the target model (overrides the preset's)."),
+    target: Optional[str] = typer.Option(None, "--target", help="Path of the target model (overrides the preset's); a local folder's config.json sets family, stage lengths and precision."),
     data: List[str] = typer.Option([], "--data", help="STAGE=PATH training data for a stage (repeatable)."),
     stages: str = typer.Option("base,long,longcot", "--stages", help="Comma-separated stages, in order."),
     output_root: Optional[str] = typer.Option(None, "--output-root", help="Where the stages' run folders go (default DIR/runs)."),
     gpus: Optional[int] = typer.Option(None, "--gpus", help="GPUs per node (default 8; tiny: 1)."),
     nodes: int = typer.Option(1, "--nodes", help="Number of nodes."),
     hostfile: Optional[str] = typer.Option(None, "--hostfile", help="DeepSpeed hostfile for several nodes."),
-    precision: Optional[str] = typer.Option(None, "--precision", help="bf16, fp16 or fp32 (default: the preset's)."),
+    precision: Optional[str] = typer.Option(None, "--precision", help="bf16, fp16 or fp32 (default: the target's torch_dtype, else the preset's)."),
     no_input: bool = typer.Option(False, "--no-input", help="Never ask; missing answers become '???' for validate to flag."),
     force: bool = typer.Option(False, "--force", help="Overwrite existing files."),
     dry_run: bool = typer.Option(False, "--dry-run", help="List the files that would be written; write nothing."),
@@ -117,12 +122,12 @@ def _scaffold(answers, *, force: bool, dry_run: bool, as_json: bool) -> None:
     import json
 
     from longspec_cli.core import presets as P
-    from longspec_cli.core.scaffold import build_local_assets, plan_project, write_project
+    from longspec_cli.core.scaffold import build_local_assets, plan_with_notes, write_project
 
-    files = plan_project(answers)
+    files, notes = plan_with_notes(answers)
     root = answers.project_dir.resolve()
     if dry_run:
-        _report(root, list(files), as_json, wrote=False)
+        _report(root, list(files), as_json, wrote=False, notes=notes)
         return
     written = write_project(files, force=force)
     preset = P.get_preset(answers.preset) if answers.preset else None
@@ -130,20 +135,23 @@ def _scaffold(answers, *, force: bool, dry_run: bool, as_json: bool) -> None:
         if not as_json:
             typer.echo("building the tiny target, tokenizer and data (cached after the first time) ...")
         build_local_assets(root)
-    _report(root, written, as_json, wrote=True)
+    _report(root, written, as_json, wrote=True, notes=notes)
 
 
-def _report(root: Path, files: list[Path], as_json: bool, *, wrote: bool) -> None:
+def _report(root: Path, files: list[Path], as_json: bool, *, wrote: bool, notes: list[str] = ()) -> None:
     import json
     import shlex
 
     if as_json:
-        typer.echo(json.dumps({"project": str(root), "written": wrote, "files": [str(p) for p in files]}))
+        typer.echo(json.dumps({"project": str(root), "written": wrote, "files": [str(p) for p in files],
+                               "notes": list(notes)}))
         return
     verb = "wrote" if wrote else "would write"
     typer.echo(f"{verb} {len(files)} files in {root}:")
     for p in files:
         typer.echo(f"  {p.relative_to(root) if p.is_relative_to(root) else p}")
+    for note in notes:
+        typer.echo(f"note: {note}")
     if wrote:
         q = shlex.quote(str(root))
         typer.echo(f"next: longspec validate {q}   then   longspec run {q} --all")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from longspec_cli.core import presets as P
+from longspec_cli.core import targets
 from longspec_cli.core.atomic import atomic_write_text
 from longspec_cli.errors import RefusedError, UsageError
 
@@ -97,10 +98,39 @@ class _Raw(str):
 
 
 # Placeholders inside comments: inserted as plain text, never quoted.
-_TEXT_KEYS = {"title", "data_hint", "run_command", "run_command_cli", "project_dir", "world_size"}
+_TEXT_KEYS = {"title", "data_hint", "run_command", "run_command_cli", "project_dir", "world_size",
+              "notes", "msl_note", "target_note"}
+# positions.threshold in templates/exp/stage.yaml: only sequences up to this long get an offset.
+OFFSET_THRESHOLD = 1200
+# Collators whose records include chats (rendered with the target's chat template).
+CHAT_COLLATORS = ("long_data", "long_cot")
 
 
-def _resolve_answers(a: InitAnswers) -> tuple[P.Preset | None, str, str, int]:
+def local_target(target: str | None) -> targets.TargetInfo | None:
+    """What a local target folder says about itself (config.json, tokenizer files), or None for
+    a hub id / a path not on this machine. RefusedError for an unsupported family."""
+    if not target:
+        return None
+    path = Path(target).expanduser()
+    if not path.is_dir():
+        return None
+    return targets.read_target(path.resolve())
+
+
+def target_notes(info: targets.TargetInfo | None, context: int, capped: dict[str, int]) -> list[str]:
+    """One-line notes about what init took from the target (printed, and kept in the files)."""
+    if info is None:
+        return []
+    notes = [f"target: {info.family} family, {info.position_limit or '?'} positions (max_position_embeddings), "
+             f"precision {info.precision or 'not stated (torch_dtype absent)'}"]
+    for stage, wanted in capped.items():
+        notes.append(f"{stage}: max_seq_length capped at the target's {context} positions (stage default {wanted})")
+    notes.append("chats render with the target's chat template (" + info.chat_template + ")" if info.chat_template
+                 else "the target's tokenizer has no chat template: chat records render as plain 'role: content' lines")
+    return notes
+
+
+def _resolve_answers(a: InitAnswers) -> tuple[P.Preset | None, str, str, int, targets.TargetInfo | None]:
     preset = P.get_preset(a.preset) if a.preset else None
     if a.variant not in P.VARIANTS:
         raise UsageError(f"unknown variant {a.variant!r}", hint="variants: " + ", ".join(P.VARIANTS))
@@ -117,26 +147,38 @@ def _resolve_answers(a: InitAnswers) -> tuple[P.Preset | None, str, str, int]:
         target = str(local_target_dir(a.project_dir.resolve()))
     if not target:
         raise UsageError("no target model", hint="pass --preset NAME or --target PATH")
-    precision = a.precision or (preset.precision if preset else "bf16")
+    info = local_target(a.target)
+    precision = a.precision or (info.precision if info else None) or (preset.precision if preset else "bf16")
     if precision not in P.PRECISIONS:
         raise UsageError(f"unknown precision {precision!r}", hint="one of " + ", ".join(P.PRECISIONS))
     gpus = a.gpus if a.gpus is not None else (preset.gpus if preset else 8)
     if gpus < 1 or a.nodes < 1:
         raise UsageError("--gpus and --nodes must be at least 1")
-    return preset, target, precision, gpus
+    return preset, target, precision, gpus, info
 
 
 def plan_project(a: InitAnswers) -> dict[Path, str]:
-    """Every file `init` would write, path -> text. Pure: touches nothing."""
-    preset, target, precision, gpus = _resolve_answers(a)
+    """Every file `init` would write, path -> text. Pure: touches nothing but reads a local
+    target's config.json and tokenizer files (family, position limit, precision, chat template)."""
+    return _plan(a)[0]
+
+
+def plan_with_notes(a: InitAnswers) -> tuple[dict[Path, str], list[str]]:
+    """plan_project plus the notes on what was taken from the target (for init to print)."""
+    return _plan(a)
+
+
+def _plan(a: InitAnswers) -> tuple[dict[Path, str], list[str]]:
+    preset, target, precision, gpus, info = _resolve_answers(a)
     root = a.project_dir.resolve()
     conf = root / "conf"
     out_root = Path(a.output_root).expanduser() if a.output_root else root / "runs"
     if not out_root.is_absolute():
         out_root = (root / out_root).resolve()
     tdir = P.templates_dir()
-    context = preset.context if preset else 32768
-    max_offset = preset.max_offset if preset else P.default_max_offset(context)
+    context = (info.position_limit if info else None) or (preset.context if preset else 32768)
+    max_offset = preset.max_offset if preset and info is None else P.default_max_offset(context)
+    capped: dict[str, int] = {}
     offload = "none" if precision == "fp32" and preset is not None and preset.local else "cpu"
     world = gpus * a.nodes
 
@@ -147,6 +189,10 @@ def plan_project(a: InitAnswers) -> dict[Path, str]:
     used_ds: set[str] = set()
     for stage in a.stages:
         sd = P.stage_defaults(stage, preset)
+        msl = sd["max_seq_length"]
+        if msl > context:
+            capped[stage] = msl
+        msl = min(msl, context)
         out_dir = out_root / stage
         data = a.data.get(stage)
         if data is None and preset is not None and preset.local:
@@ -168,7 +214,12 @@ def plan_project(a: InitAnswers) -> dict[Path, str]:
             "train_file": data or MISSING,
             "output_dir": str(out_dir),
             "precision": precision,
-            "max_offset": max_offset,
+            "max_seq_length": msl,
+            "msl_note": f"  # capped at the target's {context} positions (stage default {capped[stage]})"
+                        if stage in capped else "",
+            # offsets keep the shifted positions of an offset sequence inside the target's limit
+            "max_offset": max(0, min(max_offset, context - min(msl, OFFSET_THRESHOLD))),
+            "notes": _stage_notes(info, sd["collator"]),
             "global_batch_size": sd["per_gpu_train_batch_size"] * sd["gradient_accumulation_steps"] * world,
         }
         files[conf / "exp" / f"{stage}.yaml"] = render(stage_tpl, values)
@@ -194,13 +245,25 @@ def plan_project(a: InitAnswers) -> dict[Path, str]:
             "preset": a.preset,
             "variant": a.variant,
             "target": target,
+            "target_note": f"  # {info.family} family, {info.position_limit or '?'} positions" if info else "",
             "gpus": gpus,
             "nodes": a.nodes,
             "hostfile": a.hostfile,
             "stages": _Raw("\n".join(manifest_rows)),
         },
     )
-    return files
+    return files, target_notes(info, context, capped)
+
+
+def _stage_notes(info: targets.TargetInfo | None, collator: str) -> str:
+    """Comment lines under a stage file's run commands: the target's family and chat template."""
+    if info is None:
+        return ""
+    lines = [f"# Target: {info.family} family, {info.position_limit or '?'} positions (its config.json)"]
+    if collator in CHAT_COLLATORS:
+        lines.append(f"# Chats render with the target's chat template ({info.chat_template})" if info.chat_template
+                     else "# The target's tokenizer has no chat template: chats render as plain 'role: content' lines")
+    return "\n" + "\n".join(lines)
 
 
 def _rel(path: Path, root: Path) -> str:

@@ -27,6 +27,7 @@ from longspec_cli.core.checks_stage import DUPLICATES, LONG_CONTEXT, REQUIRED  #
 from longspec_cli.core.checks_stage import (check_batch, check_duplicates, check_paths, check_precision,
                                             check_required, check_seq_len, check_types, check_unknown_keys,
                                             check_zero, global_batch, zero_stage)
+from longspec_cli.core.checks_target import check_target_family
 from longspec_cli.core.compose import Composed, compose_file
 from longspec_cli.core.compose import Origin, has_placeholder, read_doc, strip_comment  # noqa: F401 (re-exported)
 from longspec_cli.core.problem import Problem
@@ -71,6 +72,7 @@ class Report:
 FILE_CHECKS: tuple[Callable[[Composed, str, Context], list[Problem]], ...] = (
     check_unknown_keys, check_types, check_required, check_paths, check_precision, check_duplicates,
     check_zero, check_batch, check_seq_len, check_checkpoint_chain, check_upstream_lineage,
+    check_target_family,
 )
 
 

@@ -1,0 +1,31 @@
+"""The stage's target against the families a GLIDE draft supports (longspec_cli.core.targets).
+
+`check_target_family(composed, dialect, ctx) -> [Problem]` reads the target's config.json only
+(no torch): an unsupported family or MLP activation is an error with the same sentence `init`
+and the trainer refuse with. Targets that are not local folders are checked by `check_paths`.
+"""
+
+from __future__ import annotations
+
+import json
+
+from longspec_cli.core import targets
+from longspec_cli.core.checks_common import CHECKPOINT_RE, Context, abs_path, usable
+from longspec_cli.core.compose import Composed
+from longspec_cli.core.problem import Problem
+
+
+def check_target_family(c: Composed, d: str, ctx: Context) -> list[Problem]:
+    model = c.get("model_name_or_path")
+    if not usable(model) or CHECKPOINT_RE.search(model):
+        return []
+    cfg = abs_path(ctx, model) / "config.json"
+    try:
+        data = json.loads(cfg.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []                        # missing folder / config.json: check_paths says so
+    problem = targets.config_refusal(data) if isinstance(data, dict) else None
+    if problem is None:
+        return []
+    return [c.problem("error", "model_name_or_path", f"model_name_or_path {abs_path(ctx, model)}: {problem}",
+                      "point model_name_or_path at a target of a supported family")]
