@@ -15,6 +15,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from longspec_cli.core import targets
+
 # Each collator accepts a record holding all the fields of one alternative.
 COLLATOR_FIELDS: dict[str, tuple[tuple[str, ...], ...]] = {
     "short_text": (("text",), ("target",)),
@@ -24,8 +26,6 @@ COLLATOR_FIELDS: dict[str, tuple[tuple[str, ...], ...]] = {
 SAMPLE_RECORDS = 5
 SAMPLE_BYTES = 1 << 20
 
-# config.json model_type / architectures -> the preset family names
-_FAMILIES = {"qwen2": "qwen2", "qwen3": "qwen2", "llama": "llama", "mistral": "llama"}
 
 
 @dataclass(frozen=True)
@@ -52,17 +52,18 @@ def detect_family(target: str | os.PathLike) -> Check:
         return Check(False, f"{cfg} is not a JSON object")
     model_type = str(data.get("model_type") or "")
     archs = [str(a) for a in data.get("architectures") or [] if isinstance(a, str)]
-    family = _FAMILIES.get(model_type.lower())
-    if family is None:
+    family = model_type.lower() if model_type.lower() in targets.SUPPORTED_FAMILIES else None
+    if family is None and not model_type:
         for arch in archs:
-            for key, fam in _FAMILIES.items():
+            for key in targets.SUPPORTED_FAMILIES:
                 if arch.lower().startswith(key):
-                    family = fam
+                    family = key
     detail = model_type or (archs[0] if archs else "unknown")
     ctx = data.get("max_position_embeddings")
     extra = f", {ctx} positions" if isinstance(ctx, int) else ""
-    if family is None:
-        return Check(False, f"model_type {detail!r}: not a family longspec knows (qwen2, llama)", "warning")
+    problem = targets.refusal(family or detail, data.get("hidden_act"))
+    if problem:
+        return Check(False, problem)
     return Check(True, f"{family} family ({detail}{extra})")
 
 

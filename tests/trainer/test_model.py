@@ -256,6 +256,37 @@ def test_scaled_rope_target_needs_target_tables(tiny_target):
         model.draft.rotary(pos, torch.float32)
 
 
+@pytest.mark.parametrize("family, scaling", [
+    ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}),
+    ("qwen3", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}),
+])
+def test_scaled_rope_reaches_the_draft_as_the_targets_tables(family, scaling):
+    """Llama 3.1's llama3 scaling and Qwen3's yarn: the draft's queries use the target's tables."""
+    target = make_tiny_target(family, rope_scaling=scaling)
+    model = glide(target)
+    assert model.draft.config.rope_type == scaling["rope_type"]
+    ids, labels, pos = batch()
+    like = torch.zeros(1)
+    cos, sin = model.target.rotary(pos, like)
+    plain = make_tiny_target(family)
+    cos0, _ = TargetWrapper(plain).rotary(pos, like)
+    assert not torch.allclose(cos, cos0)                               # the scaling changes the tables
+    def draft_out(rope):
+        with torch.no_grad():
+            tgt = model.target(ids, pos)
+            return model.draft(model.target.embed(ids), pos, tgt.k, tgt.v, cross_lag=1, rope=rope)
+
+    h = draft_out((cos, sin))
+    logits = h.float() @ target.lm_head.weight.float().T
+    want = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+    loss = model(ids, labels, pos, cross_lag=1)["loss"]
+    torch.testing.assert_close(loss, want)                             # the training model uses the scaled tables
+    assert (h - draft_out((cos0, TargetWrapper(plain).rotary(pos, like)[1]))).abs().max() > 1e-4
+    loss.backward()
+    assert torch.isfinite(loss)
+
+
 def test_mismatched_draft_is_refused():
     target = make_tiny_target("qwen2")
     other = DraftConfig.from_target_config(make_tiny_target("qwen2", hidden_size=32, num_attention_heads=2,

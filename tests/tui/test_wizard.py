@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from longspec_cli.app import app as cli
 from longspec_cli.core.scaffold import plan_project, write_project
+from longspec_cli.core.targets import refusal
 from longspec_cli.tui import wizard_checks as W
 from longspec_cli.tui.widgets.confirm import ConfirmScreen
 from longspec_cli.tui.wizard_app import WizardApp
@@ -187,10 +188,13 @@ def test_detect_family(tmp_path):
     odd = tmp_path / "odd"
     odd.mkdir()
     (odd / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"]}))
-    assert W.detect_family(odd).message.startswith("llama family")
+    assert W.detect_family(odd).message.startswith("mistral family")
     unknown = tmp_path / "u"
     unknown.mkdir()
     (unknown / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     assert not W.detect_family(unknown).ok
+    assert W.detect_family(unknown).message == refusal("gpt2", None)      # the sentence init and the trainer use
+    (q / "config.json").write_text(json.dumps({"model_type": "qwen3", "max_position_embeddings": 40960}))
+    assert W.detect_family(q).message == "qwen3 family (qwen3, 40960 positions)"
     assert not W.detect_family(tmp_path / "missing").ok
     assert W.detect_family("Qwen/QwQ-32B-Preview").severity == "warning"
