@@ -24,7 +24,9 @@ def check_target_family(c: Composed, d: str, ctx: Context) -> list[Problem]:
         data = json.loads(cfg.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return []                        # missing folder / config.json: check_paths says so
-    problem = targets.config_refusal(data) if isinstance(data, dict) else None
+    if not isinstance(data, dict) or "model_type" not in data:
+        return []                        # not a transformers config: the trainer's loading says why
+    problem = targets.config_refusal(data)
     if problem is None:
         return []
     return [c.problem("error", "model_name_or_path", f"model_name_or_path {abs_path(ctx, model)}: {problem}",

@@ -31,6 +31,8 @@ def supported_sentence() -> str:
 
 def refusal(family: Any, activation: Any) -> str | None:
     """The one sentence refusing a target of this family / activation, or None when supported."""
+    if family is None:
+        return f"a target without a model_type is not supported: {supported_sentence()}."
     if family not in SUPPORTED_FAMILIES:
         return f"a target of family {family!r} is not supported: {supported_sentence()}."
     if (activation or "silu") not in SUPPORTED_ACTIVATIONS:

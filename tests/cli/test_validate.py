@@ -585,7 +585,7 @@ def test_init_no_input_project_reports_only_what_init_left_open(tmp_path):
 def test_init_project_with_data_and_a_local_target_passes(tmp_path):
     target = tmp_path / "QwQ-32B-Preview"
     target.mkdir()
-    (target / "config.json").write_text(json.dumps({"max_position_embeddings": 32768}))
+    (target / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": 32768}))
     data = []
     for name in ("base", "long", "longcot"):
         f = tmp_path / f"{name}.jsonl"

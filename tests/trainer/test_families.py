@@ -87,8 +87,10 @@ def family_project(request, tiny_assets, tmp_path_factory) -> dict:
     target = save_random_target(family, tiny_assets, root / "target")
     proj = root / "proj"
     data = tiny_assets["data"]
+    base = root / "base.jsonl"                 # 2 steps x 2 records trained, the rest held out for eval
+    base.write_text("".join(Path(data["base"]).read_text().splitlines(keepends=True)[:12]))
     res = runner.invoke(app, ["init", str(proj), "--target", str(target), "--stages", "base,long", "--gpus", "1",
-                              "--data", f"base={data['base']}", "--data", f"long={data['long']}",
+                              "--data", f"base={base}", "--data", f"long={data['long']}",
                               "--no-input", "--json"])
     assert res.exit_code == 0, res.output
     init = json_tail(res.output)
