@@ -329,6 +329,10 @@ class TargetWrapper(nn.Module):
     def lm_head(self) -> nn.Module:
         return self.family.lm_head(self.model)
 
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
     @torch.no_grad()
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(B, T) -> (B, T, H). Calls the embedding module so ZeRO-3 hooks gather its weight."""
