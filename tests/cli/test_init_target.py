@@ -132,11 +132,15 @@ def test_validate_flags_a_stage_whose_target_family_is_unsupported(tmp_path):
     assert family[0]["file"].endswith("long.yaml")
 
 
-@pytest.mark.parametrize("name, family, context", [("qwen3-8b", "qwen3", 40960), ("qwen3-32b", "qwen3", 40960),
-                                                   ("llama3.1-8b-instruct", "llama", 131072)])
-def test_new_presets_render_within_their_context(tmp_path, name, family, context):
+@pytest.mark.parametrize("name, family, context, billions", [
+    ("qwen3-8b", "qwen3", 40960, 8.2), ("qwen3-32b", "qwen3", 40960, 32.8), ("llama3.1-8b-instruct", "llama", 131072, 8.0)])
+def test_new_presets_render_within_their_context(tmp_path, name, family, context, billions):
+    from longspec_cli.launch.memory import ModelSize
+
     preset = P.get_preset(name)
     assert (preset.family, preset.context) == (family, context)
+    size = ModelSize.from_mapping({**preset.size, "family": preset.family})    # what the memory estimate reads
+    assert size.hd == 128 and abs(size.target_params() / 1e9 - billions) < 0.05 * billions   # published sizes
     files = plan_project(InitAnswers(tmp_path / "p", preset=name))
     for s in P.STAGE_ORDER:
         conf = to_plain(parse(files[(tmp_path / "p").resolve() / "conf" / "exp" / f"{s}.yaml"]))
