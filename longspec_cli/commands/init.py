@@ -23,6 +23,7 @@ EPILOG = """Examples:
 A local --target folder is read (config.json, tokenizer files; nothing is loaded): its family
 (qwen2, llama, qwen3, mistral), position limit (stage lengths are capped to it), precision
 (torch_dtype) and chat template fill the stage files.
+
 Nothing is overwritten without --force. With no flags on a terminal, a full-screen form asks."""
 
 

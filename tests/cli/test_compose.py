@@ -291,4 +291,5 @@ def test_names_moved_out_of_compose_and_validate_still_import_from_there():
                  "has_placeholder", "read_doc", "strip_comment"):
         assert hasattr(validate, name), name
     assert validate.Problem is compose.Problem
-    assert len(validate.FILE_CHECKS) == 11
+    assert len(validate.FILE_CHECKS) == 12
+    assert validate.check_target_family in validate.FILE_CHECKS
