@@ -156,3 +156,14 @@ def test_new_presets_render_within_their_context(tmp_path, name, family, context
         i -= 1
     text = " ".join(comment)
     assert "Paper's:" in text and "Extrapolated:" in text
+
+
+def test_validate_warns_about_fp16_training_of_a_bf16_target(tmp_path):
+    t = target_dir(tmp_path / "t", "qwen3", 40960, "bfloat16", "inline")
+    assert init(tmp_path, t, "--precision", "fp16").exit_code == 0
+    res = runner.invoke(app, ["validate", str(tmp_path / "proj"), "--json"])
+    warns = [p for p in json.loads(res.output[res.output.index("{"):])["problems"] if p["key"] == "precision"]
+    assert len(warns) == 3 and all(p["severity"] == "warning" and "bfloat16" in p["message"] for p in warns)
+    assert init(tmp_path, t, "--force").exit_code == 0               # bf16 from torch_dtype: no warning
+    res = runner.invoke(app, ["validate", str(tmp_path / "proj"), "--json"])
+    assert not [p for p in json.loads(res.output[res.output.index("{"):])["problems"] if p["key"] == "precision"]
