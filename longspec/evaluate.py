@@ -1,6 +1,7 @@
 """Measure a stage's draft: tau, speculative vs plain tokens/s, speed-up, and losslessness.
 
-    python -m longspec.evaluate RUN_DIR [--prompts FILE] [--gamma 4] [--max-new-tokens 64]
+    python -m longspec.evaluate RUN_DIR [--method chain|tree ...] [--gamma 4] [--tree-shape 4 16 16 16 16]
+                                [--temperature T] [--prompts FILE] [--max-new-tokens 64]
                                 [--num-prompts N] [--context-tokens N] [--json] [--no-write]
 
 RUN_DIR is a finished stage's output_dir. Its training_config.yaml (the resolved config the
@@ -16,8 +17,13 @@ tokenized as the trainer does (longspec.data.encode_record, the stage's collator
 min(len - 1, max_seq_length - max_new_tokens) tokens (or --context-tokens), so base prompts
 are short and long/longcot prompts long, as the stage was trained.
 
-For each prompt: plain greedy decoding and greedy speculative decoding of the same target; the
-outputs must be equal token for token (`lossless`). --baseline-draft (the upstream stage's final
+For each prompt: plain decoding and speculative decoding with each --method (chain: gamma draft
+tokens in a row, longspec.spec_decode; tree: a token tree of --tree-shape, longspec.tree_decode,
+whose docstring gives the shape's meaning and the sampling rule). Greedy (--temperature 0): the
+outputs must be equal token for token (`lossless`); sampling: `lossless` is null and the plain
+baseline samples from the target. tau = tokens per target verify forward (accepted draft tokens
++ the bonus token). eval.json's headline fields (tau, speed-up, lossless) are the first method's;
+`methods` holds every method's figures. --baseline-draft (the upstream stage's final
 draft) is decoded on the same prompts too, so eval.json's `baseline.tau` compares the two drafts
 on this stage's data (what the quality gate uses; tau on another stage's prompts is not comparable). Writes RUN_DIR/eval.json atomically and
 prints the result (one JSON object with --json). Exit codes: 0 ok, 1 not lossless or no
@@ -289,56 +295,113 @@ def load_models(target: Path, draft: Path, sliding_window: int, dtype, device):
 
 # ----------------------------------------------------------------------------- measuring
 
+METHODS = ("chain", "tree")
+
+
+def decoder(model, target, *, method: str, gamma: int, tree_shape, temperature: float, max_new_tokens: int,
+            eos_token_id: int | None):
+    """f(draft, prompt (1, P), generator) -> DecodeResult for one method. The greedy chain keeps its
+    own loop; a sampled chain is the tree code with one node per level (the same acceptance rule)."""
+    from longspec.spec_decode import GlideProposer, speculative_decode
+    from longspec.tree_decode import GlideTreeProposer, chain_shape, tree_decode
+
+    if method == "chain" and temperature == 0:
+        return lambda d, p, g: speculative_decode(model, GlideProposer(target, d), p, gamma, max_new_tokens,
+                                                  eos_token_id)
+    shape = chain_shape(gamma) if method == "chain" else tuple(tree_shape)
+    return lambda d, p, g: tree_decode(model, GlideTreeProposer(target, d), p, shape, max_new_tokens, eos_token_id,
+                                       temperature, g)
+
+
+def plain_decoder(model, *, temperature: float, max_new_tokens: int, eos_token_id: int | None):
+    from longspec.spec_decode import greedy_decode
+    from longspec.tree_decode import sample_decode
+
+    if temperature == 0:
+        return lambda p, g: greedy_decode(model, p, max_new_tokens, eos_token_id)
+    return lambda p, g: sample_decode(model, p, max_new_tokens, temperature, eos_token_id, g)
+
+
 def measure(model, target, draft, prompts: list[list[int]], *, gamma: int, max_new_tokens: int,
-            eos_token_id: int | None, device, log=None, baseline=None) -> dict:
-    """Plain greedy and speculative decoding of every prompt; aggregate figures + per-prompt rows.
-    ``baseline``: another draft (the upstream stage's) decoded on the same prompts, for its tau."""
+            eos_token_id: int | None, device, log=None, baseline=None, methods=("chain",),
+            tree_shape=(4, 16, 16, 16, 16), temperature: float = 0.0, seed: int = 0) -> dict:
+    """Plain decoding and speculative decoding (each method) of every prompt; aggregate figures
+    per method + per-prompt rows. Greedy (temperature 0): every method's output must equal plain
+    greedy's (``lossless``); sampling: ``lossless`` is None (no token-for-token comparison exists;
+    the test suite checks the distribution). ``baseline``: another draft (the upstream stage's)
+    decoded with the first method on the same prompts, for its tau."""
     import torch
 
-    from longspec.spec_decode import GlideProposer, greedy_decode, speculative_decode
+    opts = dict(gamma=gamma, tree_shape=tree_shape, temperature=temperature, max_new_tokens=max_new_tokens,
+                eos_token_id=eos_token_id)
+    specs = {m: decoder(model, target, method=m, **opts) for m in methods}
+    plain = plain_decoder(model, temperature=temperature, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
 
-    def spec(d, p, n):
-        return speculative_decode(model, GlideProposer(target, d), p, gamma, n, eos_token_id)
+    def gen(i):
+        return torch.Generator().manual_seed(seed * 100_003 + i)
 
     warm = torch.tensor([prompts[0][-16:]], device=device)     # first-call costs out of the timing
-    greedy_decode(model, warm, 4, eos_token_id), spec(draft, warm, 4)
-    rows, acc, steps, base_acc, base_steps, base_same = [], 0, 0, 0, 0, True
-    g_tok = g_time = s_tok = s_time = 0.0
+    plain(warm, gen(0))
+    for f in specs.values():
+        f(draft, warm, gen(0))
+    rows = []
+    tot = {m: {"acc": 0, "steps": 0, "tok": 0, "time": 0.0, "same": True} for m in methods}
+    base = {"acc": 0, "steps": 0, "same": True}
+    g_tok = g_time = 0.0
     for i, ids in enumerate(prompts):
         p = torch.tensor([ids], device=device)
-        g, s = greedy_decode(model, p, max_new_tokens, eos_token_id), spec(draft, p, max_new_tokens)
-        same = g.tokens == s.tokens
-        first_diff = None if same else next(
-            (j for j, (a, b) in enumerate(zip(g.tokens, s.tokens)) if a != b), min(len(g.tokens), len(s.tokens)))
-        row = {"prompt_tokens": len(ids), "new_tokens": len(s.tokens), "tau": round(s.tau, 4),
-               "target_forwards": s.target_forwards, "lossless": same, "first_mismatch": first_diff}
+        g = plain(p, gen(i))
+        g_tok, g_time = g_tok + max(0, len(g.tokens) - 1), g_time + g.decode_s
+        row: dict = {"prompt_tokens": len(ids)}
+        for m, f in specs.items():
+            s = f(draft, p, gen(i))
+            same = None if temperature > 0 else g.tokens == s.tokens
+            first_diff = None if same is not False else next(
+                (j for j, (a, b) in enumerate(zip(g.tokens, s.tokens)) if a != b), min(len(g.tokens), len(s.tokens)))
+            t = tot[m]
+            t["acc"], t["steps"] = t["acc"] + sum(s.accepted), t["steps"] + len(s.accepted)
+            t["tok"], t["time"] = t["tok"] + max(0, len(s.tokens) - 1), t["time"] + s.decode_s
+            t["same"] = t["same"] and same is not False
+            if m == methods[0]:
+                row.update({"new_tokens": len(s.tokens), "tau": round(s.tau, 4), "target_forwards": s.target_forwards,
+                            "lossless": same, "first_mismatch": first_diff})
+            else:
+                row.update({f"{m}_tau": round(s.tau, 4), f"{m}_lossless": same})
         if baseline is not None:
-            b = spec(baseline, p, max_new_tokens)
-            base_acc, base_steps, base_same = base_acc + sum(b.accepted), base_steps + len(b.accepted), \
-                base_same and b.tokens == g.tokens
+            b = specs[methods[0]](baseline, p, gen(i))
+            base["acc"], base["steps"] = base["acc"] + sum(b.accepted), base["steps"] + len(b.accepted)
+            base["same"] = base["same"] and (temperature > 0 or b.tokens == g.tokens)
             row["baseline_tau"] = round(b.tau, 4)
         rows.append(row)
-        acc, steps = acc + sum(s.accepted), steps + len(s.accepted)
-        g_tok, g_time = g_tok + max(0, len(g.tokens) - 1), g_time + g.decode_s
-        s_tok, s_time = s_tok + max(0, len(s.tokens) - 1), s_time + s.decode_s
         if log:
-            log(f"prompt {i + 1}/{len(prompts)}: {len(ids)} tokens -> {len(s.tokens)} new, tau {s.tau:.2f}"
+            log(f"prompt {i + 1}/{len(prompts)}: {len(ids)} tokens -> {row['new_tokens']} new, "
+                + ", ".join(f"{m} tau {row['tau'] if m == methods[0] else row[m + '_tau']:.2f}" for m in methods)
                 + (f" (upstream draft {row['baseline_tau']:.2f})" if baseline is not None else "")
-                + ("" if same else f", NOT LOSSLESS at token {first_diff}"))
-    spec_tps = s_tok / s_time if s_time > 0 else 0.0
+                + ("" if row["lossless"] is not False else f", NOT LOSSLESS at token {row['first_mismatch']}"))
     target_tps = g_tok / g_time if g_time > 0 else 0.0
-    out = {
-        "tau": round(acc / steps, 4) if steps else 0.0,
-        "spec_tokens_per_s": round(spec_tps, 2),
-        "target_tokens_per_s": round(target_tps, 2),
-        "speedup": round(spec_tps / target_tps, 4) if target_tps > 0 else 0.0,
-        "lossless": all(r["lossless"] for r in rows),
-        "generated_tokens": int(sum(r["new_tokens"] for r in rows)),
-        "target_forwards": int(steps),
-        "per_prompt": rows,
-    }
+    per_method = {}
+    for m in methods:
+        t = tot[m]
+        tps = t["tok"] / t["time"] if t["time"] > 0 else 0.0
+        per_method[m] = {
+            "method": m, "tau": round(t["acc"] / t["steps"], 4) if t["steps"] else 0.0,
+            "spec_tokens_per_s": round(tps, 2), "target_tokens_per_s": round(target_tps, 2),
+            "speedup": round(tps / target_tps, 4) if target_tps > 0 else 0.0,
+            "lossless": None if temperature > 0 else t["same"], "target_forwards": int(t["steps"]),
+            "temperature": temperature,
+            "gamma": gamma if m == "chain" else len(tree_shape),
+            "tree_shape": list(tree_shape) if m == "tree" else None,
+            "max_tau": (gamma if m == "chain" else len(tree_shape)) + 1,
+        }
+    first = per_method[methods[0]]
+    flags = [pm["lossless"] for pm in per_method.values()]
+    out = {**{k: first[k] for k in ("tau", "spec_tokens_per_s", "target_tokens_per_s", "speedup")},
+           "lossless": None if temperature > 0 else all(flags),
+           "generated_tokens": int(sum(r["new_tokens"] for r in rows)), "target_forwards": first["target_forwards"],
+           "methods": per_method, "per_prompt": rows}
     if baseline is not None:
-        out["baseline"] = {"tau": round(base_acc / base_steps, 4) if base_steps else 0.0, "lossless": base_same}
+        out["baseline"] = {"tau": round(base["acc"] / base["steps"], 4) if base["steps"] else 0.0,
+                           "lossless": None if temperature > 0 else base["same"], "method": methods[0]}
     return out
 
 
@@ -370,7 +433,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompts", type=Path, help="JSON/JSONL prompts file (overrides --data)")
     p.add_argument("--num-prompts", type=int, default=None,
                    help=f"default: {PROMPT_TOKEN_BUDGET} prompt tokens' worth, {MIN_PROMPTS} to {MAX_PROMPTS}")
-    p.add_argument("--gamma", type=int, default=DEFAULT_GAMMA)
+    p.add_argument("--method", action="append", choices=METHODS,
+                   help="chain (gamma draft tokens in a row) or tree (--tree-shape); repeat to measure both on the "
+                        "same prompts; the first is eval.json's headline (default: chain)")
+    p.add_argument("--gamma", type=int, default=DEFAULT_GAMMA, help="chain length (method chain)")
+    p.add_argument("--tree-shape", type=int, nargs="+", default=None, metavar="N",
+                   help="nodes per tree level, in total over the level (default 4 16 16 16 16: depth 5, "
+                        "68 draft tokens per target forward); level 1 = the draft's top N tokens, level d+1 = "
+                        "the best N (parent, token) pairs over the level by summed draft log-probability")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (lossless, checked token for token); > 0 = speculative sampling (the "
+                        "output follows the target's sampling distribution)")
     p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW)
     p.add_argument("--context-tokens", type=int, help="cut rendered records to this many tokens")
     p.add_argument("--sliding-window", type=int, help="draft self-attention window (default: draft.sliding_window)")
@@ -387,6 +460,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             raise EvalError(f"--{name.replace('_', '-')} must be >= 1", 2)
     if args.context_tokens is not None and args.context_tokens < 1:
         raise EvalError("--context-tokens must be >= 1", 2)
+    if not (args.temperature >= 0 and args.temperature < float("inf")):
+        raise EvalError(f"--temperature must be a number >= 0 (got {args.temperature})", 2)
+    args.method = list(dict.fromkeys(args.method or ["chain"]))
+    from longspec.tree_decode import DEFAULT_TREE_SHAPE, parse_tree_shape
+
+    try:
+        args.tree_shape = parse_tree_shape(args.tree_shape or DEFAULT_TREE_SHAPE)
+    except ValueError as e:
+        raise EvalError(f"--tree-shape: {e}", 2) from None
     return args
 
 
@@ -429,14 +511,21 @@ def evaluate(args: argparse.Namespace, log=None) -> dict:
         drawn = pinfo.get("prompts_drawn_in_training")
         log(f"[{stage}] {len(prompts)} prompts from {pinfo['prompt_source']}"
             + (f" ({drawn} of them drawn in training)" if drawn else "")
-            + f", gamma {args.gamma}, {args.max_new_tokens} new tokens, {device.type} {str(dtype).replace('torch.', '')}")
+            + f", {' + '.join(args.method)} (gamma {args.gamma}, tree {list(args.tree_shape)}, "
+            + f"temperature {args.temperature:g}), {args.max_new_tokens} new tokens, {device.type} {str(dtype).replace('torch.', '')}")
     baseline = None
     if args.baseline_draft is not None:
         if not args.baseline_draft.exists():
             raise EvalError(f"baseline draft not found: {args.baseline_draft}", 2)
         baseline = load_baseline(args.baseline_draft, gdraft, dtype, device)
+    if device.type == "cuda" and "tree" in args.method:
+        from longspec import tree_attn
+
+        if tree_attn.fused_available(device):
+            tree_attn.install(model)          # hybrid tree attention: flash-attn over the prefix
     figures = measure(model, tw, gdraft, prompts, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
-                      eos_token_id=eos, device=device, log=log, baseline=baseline)
+                      eos_token_id=eos, device=device, log=log, baseline=baseline, methods=tuple(args.method),
+                      tree_shape=args.tree_shape, temperature=args.temperature, seed=args.seed)
     lens = [len(p) for p in prompts]
     result = {
         "stage": str(stage),
@@ -444,7 +533,11 @@ def evaluate(args: argparse.Namespace, log=None) -> dict:
         "spec_tokens_per_s": figures["spec_tokens_per_s"],
         "target_tokens_per_s": figures["target_tokens_per_s"],
         "speedup": figures["speedup"],
+        "method": args.method[0],
         "gamma": args.gamma,
+        "tree_shape": list(args.tree_shape) if args.method[0] == "tree" else None,
+        "temperature": args.temperature,
+        "methods": figures["methods"],
         "prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "context_tokens": round(sum(lens) / len(lens)),
@@ -478,11 +571,21 @@ def _path(value: Any) -> Path | None:
     return Path(str(value)).expanduser() if value not in (None, "", "???") else None
 
 
+def method_label(m: dict) -> str:
+    """'chain 4' or 'tree 4-16-16-16-16' (eval.json `methods` entry)."""
+    if m.get("method") == "tree" and m.get("tree_shape"):
+        return "tree " + "-".join(str(w) for w in m["tree_shape"])
+    return f"{m.get('method', 'chain')} {m.get('gamma', '')}".strip()
+
+
 def _print_table(r: dict) -> None:
-    print(f"stage {r['stage']}: tau {r['tau']:.2f} (gamma {r['gamma']}), "
-          f"speculative {r['spec_tokens_per_s']:.1f} tok/s vs target {r['target_tokens_per_s']:.1f} tok/s "
-          f"= x{r['speedup']:.2f}; {r['prompts']} prompts of ~{r['context_tokens']} tokens; "
-          f"lossless: {'yes' if r['lossless'] else 'NO'}"
+    lossless = {True: "yes", False: "NO", None: "n/a (sampling)"}[r["lossless"]]
+    temp = f", temperature {r['temperature']:g}" if r.get("temperature") else ""
+    for m in r.get("methods", {}).values():
+        print(f"stage {r['stage']}: {method_label(m)}{temp}: tau {m['tau']:.2f}, "
+              f"speculative {m['spec_tokens_per_s']:.1f} tok/s vs target {m['target_tokens_per_s']:.1f} tok/s "
+              f"= x{m['speedup']:.2f}")
+    print(f"stage {r['stage']}: {r['prompts']} prompts of ~{r['context_tokens']} tokens; lossless: {lossless}"
           + (f"; upstream draft ({r['baseline'].get('stage') or 'baseline'}) on the same prompts: "
              f"tau {r['baseline']['tau']:.2f}" if "baseline" in r else ""))
 
@@ -505,10 +608,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
     else:
         _print_table(result)
-    if not result["lossless"] and result["dtype"] != "float32":
+    if result["lossless"] is False and result["dtype"] != "float32":
         print(f"note: in {result['dtype']}, a (gamma+1)-token forward and a 1-token forward can round differently "
               "and flip a near-tie; --dtype fp32 checks the decoding itself", file=sys.stderr)
-    return 0 if result["lossless"] else 1
+    return 1 if result["lossless"] is False else 0
 
 
 if __name__ == "__main__":

@@ -23,9 +23,29 @@ EPILOG = """Examples:
 
   longspec eval demo long --prompts my_prompts.jsonl --json
 
+  longspec eval demo --method tree --tree-shape 4 16 16 16 16
+
+  longspec eval demo base --method chain --temperature 0.7
+
+Methods (both by default, on the same prompts; the first one given is eval.json's headline and
+what the quality gate compares):
+  chain  the draft proposes --gamma tokens in a row; the target checks them in one forward.
+  tree   the draft grows a token tree, level by level; --tree-shape W1 W2 ... gives the number
+         of nodes of each level IN TOTAL (not per parent), so the depth is the number of values
+         and a round can accept at most that many draft tokens. Level 1 = the draft's top W1 next
+         tokens; level d+1 = the best W(d+1) (parent, token) pairs over all of level d, scored by
+         the summed draft log-probability of the path. The target verifies the whole tree in one
+         forward (tree attention mask over its KV cache) and keeps the longest path it agrees with.
+         Default 4 16 16 16 16 (depth 5, 68 draft tokens per target forward); 1 1 1 1 = the chain.
+tau = tokens per target forward: accepted draft tokens + the target's own bonus token.
+
+--temperature 0 (default): greedy; every method's output must equal plain greedy decoding token
+for token (lossless). --temperature T > 0: speculative sampling (accept a draft token with
+probability min(1, p/q), else resample from the residual; recursively over a node's children in
+the tree), so the output follows the target's own sampling distribution; `lossless` is then n/a.
+
 Default prompts: the last --num-prompts records of each stage's train_file, cut to the stage's
-context length (short for base, long for long/longcot). Each prompt is decoded twice, plainly
-and speculatively; the outputs must be identical (lossless).
+context length (short for base, long for long/longcot).
 
 Exit codes: 0 ok, 1 not lossless or a stage without a finished draft, 2 usage, 3 unreadable input."""
 
@@ -37,7 +57,14 @@ def eval_cmd(
     stages: Optional[List[str]] = typer.Argument(None, help="Stages to evaluate (default: every finished stage).",
                                                  show_default=False),
     prompts: Optional[Path] = typer.Option(None, "--prompts", help="JSON/JSONL prompts: strings or {\"prompt\": ...}."),
-    gamma: int = typer.Option(4, "--gamma", min=1, max=32, help="Draft tokens proposed per target forward."),
+    method: Optional[List[str]] = typer.Option(None, "--method", help="chain or tree; repeat for both "
+                                               "(default: chain and tree).", show_default=False),
+    gamma: int = typer.Option(4, "--gamma", min=1, max=32, help="Chain: draft tokens proposed per target forward."),
+    tree_shape: Optional[str] = typer.Option(None, "--tree-shape", help="Tree: nodes per level in total, "
+                                             "e.g. --tree-shape 4 16 16 16 16 (default) or 4,16,16.",
+                                             show_default=False),
+    temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy (lossless); > 0 = "
+                                      "speculative sampling at this temperature."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="Tokens generated per prompt."),
     num_prompts: Optional[int] = typer.Option(None, "--num-prompts", min=1,
                                               help="Held-out records to use as prompts (default: 8 to 32, "
@@ -60,15 +87,25 @@ def eval_cmd(
             raise UsageError(f"--prompts {prompts}: no such file")
         if device not in ("auto", "cpu", "cuda"):
             raise UsageError(f"--device {device!r}: choose auto, cpu or cuda")
+        methods = tuple(dict.fromkeys(method or ("chain", "tree")))
+        bad = [m for m in methods if m not in ("chain", "tree")]
+        if bad:
+            raise UsageError(f"--method {bad[0]!r}: choose chain or tree")
         manifest = load_manifest(project_dir)
-        chosen = [manifest.stage(s).name for s in stages] if stages else manifest.stage_names
+        names = list(stages or [])
+        shape = None
+        if tree_shape is not None:   # `--tree-shape 4 16 16`: the values after the first arrive as arguments
+            extra = [a for a in names if a.isdigit() and a not in manifest.stage_names]
+            names = [a for a in names if a not in extra]
+            shape = parse_shape([tree_shape, *extra])
+        chosen = [manifest.stage(s).name for s in names] if names else manifest.stage_names
         states = {st.name: st for st in project_status(manifest)}
         todo, skipped = [], []
         for name in chosen:
             st = states[name]
             if st.state in FINISHED:
                 todo.append(st)
-            elif stages:
+            elif names:
                 raise RefusedError(f"stage {name} has no finished draft (state: {st.state})",
                                    hint=f"train it first: longspec run {project_dir} {name}")
             else:
@@ -85,24 +122,43 @@ def eval_cmd(
             argv = eval_command(st.output_dir, st.name, gamma=gamma, max_new_tokens=max_new_tokens,
                                 num_prompts=num_prompts, prompts=prompts.resolve() if prompts else None, device=device,
                                 baseline_draft=up.draft_weights if up_ok else None,
-                                baseline_stage=up.name if up_ok else None)
+                                baseline_stage=up.name if up_ok else None, methods=methods, tree_shape=shape,
+                                temperature=temperature)
             if context_tokens is not None:
                 argv += ["--context-tokens", str(context_tokens)]
             res = run_trainer_json(argv, show_progress=not as_json, allow_codes=(1,))
             res["state"] = st.state
             results.append(res)
-        lossless = all(r.get("lossless") is True for r in results)
+        # sampling has no token-for-token check: null, never a refusal
+        lossless = None if temperature > 0 else all(r.get("lossless") is True for r in results)
         if as_json:
             typer.echo(json.dumps({"project": str(manifest.root), "results": results, "skipped": skipped,
                                    "lossless": lossless}, indent=2))
         else:
             _render(results, skipped)
-        if not lossless:
+        if lossless is False:
             bad = ", ".join(r["stage"] for r in results if r.get("lossless") is not True)
             raise RefusedError(f"speculative output differs from plain greedy output for: {bad}",
                                hint="see first_mismatch per prompt in the stage's eval.json")
 
     run_cli(body)
+
+
+def parse_shape(values: list[str]) -> tuple[int, ...]:
+    """`--tree-shape` values ("4 16 16", "4,16,16" or separate arguments) -> (4, 16, 16)."""
+    parts = [p for v in values for p in v.replace(",", " ").split()]
+    if not parts or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise UsageError(f"--tree-shape {' '.join(values)!r}: give the nodes per level as whole numbers >= 1",
+                         hint="e.g. --tree-shape 4 16 16 16 16")
+    if sum(int(p) for p in parts) > 1024:
+        raise UsageError(f"--tree-shape {' '.join(parts)}: {sum(int(p) for p in parts)} nodes, at most 1024")
+    return tuple(int(p) for p in parts)
+
+
+def _label(m: dict) -> str:
+    if m.get("method") == "tree" and m.get("tree_shape"):
+        return "tree " + "-".join(str(w) for w in m["tree_shape"])
+    return f"chain {m.get('gamma', '')}".strip()
 
 
 def _render(results: list[dict], skipped: list[dict]) -> None:
@@ -111,16 +167,23 @@ def _render(results: list[dict], skipped: list[dict]) -> None:
     from rich.text import Text
 
     first = results[0]
-    table = Table(title=f"greedy speculative decoding: gamma {first['gamma']}, {first['prompts']} prompts x "
-                        f"{first['max_new_tokens']} new tokens", title_justify="left")
-    for col in ("stage", "tau", "upstream", "tok/s spec/plain", "speed-up", "context", "lossless"):
-        table.add_column(col, justify="left" if col in ("stage", "lossless") else "right")
+    temp = first.get("temperature") or 0
+    kind = f"speculative sampling (temperature {temp:g})" if temp else "greedy speculative decoding"
+    table = Table(title=f"{kind}: {first['prompts']} prompts x {first['max_new_tokens']} new tokens",
+                  title_justify="left")
+    for col in ("stage", "method", "tau", "upstream", "tok/s spec/plain", "speed-up", "context", "lossless"):
+        table.add_column(col, justify="left" if col in ("stage", "method", "lossless") else "right")
     for r in results:
-        ok = r.get("lossless") is True
         base = r.get("baseline")
-        table.add_row(Text(str(r["stage"])), f"{r['tau']:.2f}", f"{base['tau']:.2f}" if base else "-",
-                      f"{r['spec_tokens_per_s']:.0f} / {r['target_tokens_per_s']:.0f}", f"x{r['speedup']:.2f}",
-                      f"~{r['context_tokens']}", Text("yes" if ok else "NO", style="green" if ok else "bold red"))
+        methods = r.get("methods") or {"chain": {**r, "method": "chain"}}
+        for i, m in enumerate(methods.values()):
+            ok = m.get("lossless")
+            flag = Text("n/a" if ok is None else "yes" if ok else "NO",
+                        style="dim" if ok is None else "green" if ok else "bold red")
+            table.add_row(Text(str(r["stage"]) if i == 0 else ""), _label(m), f"{m['tau']:.2f}",
+                          f"{base['tau']:.2f}" if base and i == 0 else "-",
+                          f"{m['spec_tokens_per_s']:.0f} / {m['target_tokens_per_s']:.0f}", f"x{m['speedup']:.2f}",
+                          f"~{r['context_tokens']}", flag)
     console = Console(soft_wrap=True)
     console.print(table)
     for r in results:
@@ -132,7 +195,8 @@ def _render(results: list[dict], skipped: list[dict]) -> None:
         console.print(Text(f"  {r['stage']}: wrote {r.get('eval_json', 'eval.json')} "
                            f"({r['device']}, {r['dtype']}; tau = tokens per target forward{note})", style="dim"))
     if any(r.get("baseline") for r in results):
-        console.print(Text("  upstream: tau of the draft_from stage's draft on the same prompts", style="dim"))
+        console.print(Text("  upstream: tau of the draft_from stage's draft on the same prompts (first method)",
+                           style="dim"))
     for s in skipped:
         console.print(Text(f"  {s['stage']}: skipped, no finished draft ({s['state']})", style="dim"))
 

@@ -50,13 +50,15 @@ def _render(manifest, stages, plan: str) -> None:
     from rich.text import Text
 
     table = Table(title=Text(f"{manifest.name}  ({manifest.root})"), title_justify="left")
-    for col in ("stage", "state", "step", "last loss", "tau", "draft from", "next action"):
-        table.add_column(col, justify="right" if col in ("step", "last loss", "tau") else "left")
+    for col in ("stage", "state", "step", "last loss", "tau", "tree tau", "draft from", "next action"):
+        table.add_column(col, justify="right" if col in ("step", "last loss", "tau", "tree tau") else "left")
     for st in stages:
         step = "-" if st.steps is None else f"{st.steps}/{st.total_steps if st.total_steps is not None else '?'}"
         loss = "-" if st.last_loss is None else f"{st.last_loss:.4f}"
         tau = "-" if st.tau is None else f"{st.tau:.2f}" + (f" (x{st.speedup:.2f})" if st.speedup else "")
-        table.add_row(Text(st.name), Text(st.state, style=f"bold {STATE_STYLE.get(st.state, '')}"), step, loss, tau,
+        tree = "-" if st.tree_tau is None else f"{st.tree_tau:.2f}" + (
+            f" (x{st.tree_speedup:.2f})" if st.tree_speedup else "")
+        table.add_row(Text(st.name), Text(st.state, style=f"bold {STATE_STYLE.get(st.state, '')}"), step, loss, tau, tree,
                       Text(st.draft_from or "(fresh)"), Text(st.next_action))
     console = Console(soft_wrap=True)
     console.print(table)

@@ -3,7 +3,12 @@
 eval.json (written by `longspec eval`, docs/DESIGN.md run-folder contract):
 
     {"stage", "tau", "spec_tokens_per_s", "target_tokens_per_s", "speedup", "gamma", "prompts",
-     "max_new_tokens", "context_tokens", "lossless", "draft_sha256", "time"}
+     "max_new_tokens", "context_tokens", "lossless", "draft_sha256", "time",
+     "method", "tree_shape", "temperature",                        # absent in older files: chain, greedy
+     "methods": {"chain": {"tau", "speedup", ...}, "tree": {...}}} # every method measured on the prompts
+
+The headline fields (tau, speed-up, lossless) are the first measured method's (the chain unless
+only the tree was asked for). `lossless` is null for a sampled (temperature > 0) evaluation.
 
 Rule: a stage fails the gate when its tau is more than `pct` percent below the previous
 stage's tau, i.e. cur < prev * (1 - pct / 100). Equal or better always passes. Pure: no torch.
@@ -43,9 +48,29 @@ def read_eval(output_dir: str | os.PathLike) -> dict | None:
         raise EvalFileError(f"{path}: missing {', '.join(missing)}")
     if not _number(obj["tau"]) or obj["tau"] < 0:
         raise EvalFileError(f"{path}: `tau` must be a number >= 0 (got {obj['tau']!r})")
-    if not isinstance(obj["lossless"], bool):
-        raise EvalFileError(f"{path}: `lossless` must be true or false (got {obj['lossless']!r})")
+    if obj["lossless"] is not None and not isinstance(obj["lossless"], bool):
+        raise EvalFileError(f"{path}: `lossless` must be true, false or null (got {obj['lossless']!r})")
     return obj
+
+
+def method_taus(ev: dict) -> dict[str, float]:
+    """{"chain": tau, "tree": tau} of an eval.json (an older file without `methods`: its chain tau)."""
+    methods = ev.get("methods")
+    if not isinstance(methods, dict):
+        return {str(ev.get("method") or "chain"): float(ev["tau"])}
+    return {str(name): float(m["tau"]) for name, m in methods.items()
+            if isinstance(m, dict) and _number(m.get("tau"))}
+
+
+def method_figures(ev: dict, name: str) -> dict | None:
+    """One method's figures (tau, speedup, ...) from an eval.json, old files included (chain)."""
+    methods = ev.get("methods")
+    if isinstance(methods, dict):
+        m = methods.get(name)
+        return m if isinstance(m, dict) and _number(m.get("tau")) else None
+    if name == str(ev.get("method") or "chain"):
+        return {"tau": ev["tau"], "speedup": ev.get("speedup"), "gamma": ev.get("gamma")}
+    return None
 
 
 def eval_is_current(ev: dict, draft_sha256: str | None) -> bool:
@@ -74,13 +99,20 @@ def gate_check(prev_tau: float | None, cur_tau: float, pct: float) -> tuple[bool
 def eval_command(output_dir: str | os.PathLike, stage: str, *, gamma: int = 4, max_new_tokens: int = 64,
                  num_prompts: int | None = None, prompts: str | os.PathLike | None = None, device: str = "auto",
                  baseline_draft: str | os.PathLike | None = None, baseline_stage: str | None = None,
-                 python: str | None = None) -> list[str]:
+                 python: str | None = None, methods: tuple[str, ...] = ("chain",),
+                 tree_shape: tuple[int, ...] | None = None, temperature: float = 0.0) -> list[str]:
     """argv of the measuring process (`python -m longspec.evaluate RUN ... --json`): it writes
     RUN/eval.json and prints the same object as its last stdout line; exit 0 ok, 1 not lossless
     or no finished draft, 2 usage, 3 unreadable input. ``baseline_draft``: the upstream stage's
     final draft, decoded on the same prompts (eval.json `baseline.tau`, what gate_stage compares)."""
     argv = [python or sys.executable, "-m", "longspec.evaluate", str(output_dir), "--stage", stage,
             "--gamma", str(gamma), "--max-new-tokens", str(max_new_tokens), "--device", device, "--json"]
+    for m in methods:
+        argv += ["--method", m]
+    if tree_shape:
+        argv += ["--tree-shape", *map(str, tree_shape)]
+    if temperature:
+        argv += ["--temperature", repr(float(temperature))]
     if num_prompts is not None:  # else the evaluator picks by prompt length (8 to 32)
         argv += ["--num-prompts", str(num_prompts)]
     if prompts is not None:
@@ -110,6 +142,8 @@ def gate_stage(cur_dir: str | os.PathLike, prev_dir: str | os.PathLike | None, p
         return False, f"no {EVAL_NAME} in {cur_dir}: evaluate the stage first"
     if cur_sha256 is not None and not eval_is_current(cur, cur_sha256):
         return False, f"{Path(cur_dir) / EVAL_NAME} was measured on another draft: evaluate the stage again"
+    if cur["lossless"] is None:
+        return False, f"stage {cur['stage']}: eval.json was measured with sampling; the gate needs a greedy evaluation"
     if not cur["lossless"]:
         return False, f"stage {cur['stage']}: speculative output differs from greedy output (not lossless)"
     base = cur.get("baseline")
@@ -124,4 +158,4 @@ def gate_stage(cur_dir: str | os.PathLike, prev_dir: str | os.PathLike | None, p
     return ok, msg + (" (upstream stage's own prompts)" if prev_tau is not None else "")
 
 
-__all__ = ["EVAL_NAME", "EvalFileError", "read_eval", "eval_is_current", "gate_check", "eval_command", "gate_stage"]
+__all__ = ["EVAL_NAME", "EvalFileError", "read_eval", "method_taus", "method_figures", "eval_is_current", "gate_check", "eval_command", "gate_stage"]

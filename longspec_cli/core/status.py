@@ -41,8 +41,10 @@ class StageStatus:
     action: str = "start"  # machine form: start | resume | skip | wait | rerun | blocked
     resume_step: int | None = None
     reasons: list[str] = field(default_factory=list)  # why stale / failed / blocked, and notes
-    tau: float | None = None  # mean accepted length from eval.json, when measured on this draft
+    tau: float | None = None  # chain tau (tokens per target forward) from eval.json, when measured on this draft
     speedup: float | None = None
+    tree_tau: float | None = None  # the token tree's tau on the same prompts, when eval measured it
+    tree_speedup: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,7 +75,13 @@ def _read_eval(st: StageStatus, spec: StageSpec) -> None:
     if not quality.eval_is_current(ev, st.sha256):
         st.reasons.append("eval.json was measured on another draft: run `longspec eval` again")
         return
-    st.tau, st.speedup = ev["tau"], ev.get("speedup")
+    chain, tree = quality.method_figures(ev, "chain"), quality.method_figures(ev, "tree")
+    if chain is not None:
+        st.tau, st.speedup = chain["tau"], chain.get("speedup")
+    elif tree is None:
+        st.tau, st.speedup = ev["tau"], ev.get("speedup")
+    if tree is not None:
+        st.tree_tau, st.tree_speedup = tree["tau"], tree.get("speedup")
 
 
 def stage_status(spec: StageSpec, upstream: StageStatus | None = None, root: Path | None = None) -> StageStatus:

@@ -76,17 +76,27 @@ class StageOutcome:
     sha256: str | None = None
     tau: float | None = None  # from eval.json, only when it was measured on this final draft
     speedup: float | None = None
+    tree_tau: float | None = None  # the token tree's tau on the same prompts
     note: str = ""
 
     def row(self) -> list[str]:
         f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
         return [self.name, self.action, self.result, f(self.steps, "d"), f(self.first_loss, ".4f"),
                 f(self.last_loss, ".4f"), f(self.tokens_per_s, ",.0f"), f(self.wall_s, ".1f"),
-                f(self.tau, ".2f"), f(self.speedup, ".2f"), (self.sha256 or "-")[:16]]
+                f(self.tau, ".2f"), f(self.speedup, ".2f"), f(self.tree_tau, ".2f"), (self.sha256 or "-")[:16]]
+
+    def take_eval(self, ev: dict) -> None:
+        """tau and speed-up of the chain, and the tree's tau, from an eval.json (old files: chain only)."""
+        from longspec_cli.core import quality
+
+        chain, tree = quality.method_figures(ev, "chain"), quality.method_figures(ev, "tree")
+        head = chain if chain is not None else ev
+        self.tau, self.speedup = _num(head.get("tau")), _num(head.get("speedup"))
+        self.tree_tau = _num(tree.get("tau")) if tree is not None else None
 
 
 SUMMARY_HEADER = ["stage", "action", "result", "steps", "first loss", "last loss", "tokens/s", "wall s",
-                  "tau", "speed-up", "sha256"]
+                  "tau", "speed-up", "tree tau", "sha256"]
 GATE_FAILED = "gate failed"
 
 
@@ -535,7 +545,7 @@ def eval_argv(manifest: Manifest, spec: StageSpec) -> list[str]:
     up = manifest.stage(spec.draft_from) if spec.draft_from else None
     weights = (_final(up)[0] or runfolder.RunDir(up.output_dir).final_weights) if up else None
     return quality.eval_command(spec.output_dir, spec.name, baseline_draft=weights,
-                                baseline_stage=up.name if up else None)
+                                baseline_stage=up.name if up else None, methods=("chain", "tree"))
 
 
 def measure_stage(manifest: Manifest, spec: StageSpec, out: StageOutcome, req: RunRequest, console: Console) -> None:
@@ -551,7 +561,7 @@ def measure_stage(manifest: Manifest, spec: StageSpec, out: StageOutcome, req: R
         ev = _run_eval(manifest, spec, out, req, console)
         if ev is None:  # --eval only: a warning was printed, the pipeline goes on
             return
-    out.tau, out.speedup = _num(ev.get("tau")), _num(ev.get("speedup"))
+    out.take_eval(ev)
     if req.gate is None:
         if ev.get("lossless") is not True:
             console.warn(f"{spec.name}: speculative output differs from greedy output (not lossless); "
@@ -571,6 +581,7 @@ def measure_stage(manifest: Manifest, spec: StageSpec, out: StageOutcome, req: R
 def _run_eval(manifest: Manifest, spec: StageSpec, out: StageOutcome, req: RunRequest,
               console: Console) -> dict | None:
     """Run the evaluator (as `longspec eval`); the result, or None after a warning (--eval only)."""
+    from longspec_cli.core import quality
     from longspec_cli.launch.jsonproc import run_trainer_json
 
     argv = eval_argv(manifest, spec)
@@ -591,7 +602,9 @@ def _run_eval(manifest: Manifest, spec: StageSpec, out: StageOutcome, req: RunRe
         console.warn(f"{spec.name}: {out.note}")
         return None
     base = ev.get("baseline") if isinstance(ev.get("baseline"), dict) else None
+    tree = quality.method_figures(ev, "tree")
     console.say(f"== {spec.name}: tau {ev['tau']:.2f}" + (f" (upstream draft {base['tau']:.2f})" if base else "")
+                + (f", tree tau {tree['tau']:.2f}" if tree else "")
                 + f", speed-up x{ev.get('speedup', 0):.2f}, lossless {'yes' if ev.get('lossless') else 'NO'}"
                 + f" ({time.monotonic() - t0:.1f} s)")
     return ev
@@ -730,7 +743,7 @@ def _outcome(spec: StageSpec, action: str, result: str, wall_s: float | None = N
         out.sha256 = complete.get("sha256")
         ev = _eval_of(spec, out.sha256)
         if ev is not None:
-            out.tau, out.speedup = _num(ev.get("tau")), _num(ev.get("speedup"))
+            out.take_eval(ev)
         if isinstance(complete.get("steps"), int):
             out.steps = complete["steps"]
         if _num(complete.get("final_loss")) is not None:

@@ -346,6 +346,7 @@ class StageFollow:
             sha256=(getattr(status, "sha256", None) or complete.get("sha256")),
             draft_sha256=complete.get("draft_sha256"),
             next_action=getattr(status, "next_action", ""), reasons=tuple(getattr(status, "reasons", ()) or ()),
+            tau=getattr(status, "tau", None), tree_tau=getattr(status, "tree_tau", None),
             chart=chart, chart_version=self.series.version,
             log=tuple(self.log_lines), log_seq=self.log_seq, log_gen=self.log_gen,
             alerts=tuple(self.stage_alerts(state)), notices=tuple(self.notices), notice_count=self.notice_count,

@@ -27,6 +27,8 @@ class StageView:
     draft_sha256: str | None = None  # the draft it started from (stage_complete.json)
     next_action: str = ""
     reasons: tuple[str, ...] = ()
+    tau: float | None = None  # chain tau from a current eval.json (longspec eval)
+    tree_tau: float | None = None  # the token tree's tau on the same prompts
     chart: ChartData = ChartData((), (), ())
     chart_version: int = 0
     log: tuple[str, ...] = ()

@@ -48,16 +48,17 @@ def test_demo_runs_three_chained_stages_and_prints_the_summary(tmp_path):
     # the summary table: one row per stage with steps, losses, tokens/s, wall time, tau, speed-up, sha256 prefix
     header = next(line.split() for line in res.stdout.splitlines() if line.split()[:3] == ["stage", "action", "result"])
     assert header == ["stage", "action", "result", "steps", "first", "loss", "last", "loss", "tokens/s", "wall", "s",
-                      "tau", "speed-up", "sha256"]
+                      "tau", "speed-up", "tree", "tau", "sha256"]
     rows = {line.split()[0]: line.split() for line in res.stdout.splitlines()
             if line.split() and line.split()[0] in runs and "done" in line.split()[:3]}
     assert set(rows) == set(runs)
     for s, row in rows.items():
-        assert len(row) == 11 and row[3] == "3" and row[-1] == done[s]["sha256"][:16]
+        assert len(row) == 12 and row[3] == "3" and row[-1] == done[s]["sha256"][:16]
         float(row[4]), float(row[5]), float(row[7]), float(row[9])  # first loss, last loss, wall s, speed-up
         tau = float(row[8])
         assert tau >= 1.0 and tau == round(ev[s]["tau"], 2)  # tokens per target forward: at least the bonus token
         assert float(row[9]) == round(ev[s]["speedup"], 2)
+        assert float(row[10]) == round(ev[s]["methods"]["tree"]["tau"], 2)   # the tree's tau next to the chain's
     assert "demo finished in" in res.stdout
 
     # run again: every stage is skipped, nothing is launched
@@ -68,7 +69,7 @@ def test_demo_runs_three_chained_stages_and_prints_the_summary(tmp_path):
     # ... and nothing is measured again: each eval.json is current
     assert again.stdout.count("not measured again") == 3 and "evaluating" not in again.stdout, again.stdout
     assert all(json.loads((d / "eval.json").read_text()) == ev[s] for s, d in runs.items())
-    taus = [line.split()[-3] for line in again.stdout.splitlines() if line.split()[:1] and line.split()[0] in runs
+    taus = [line.split()[-4] for line in again.stdout.splitlines() if line.split()[:1] and line.split()[0] in runs
             and "skipped" in line.split()[:3]]
     assert taus == [f"{ev[s]['tau']:.2f}" for s in runs]  # still shown, from the current eval.json files
     # --no-eval: not even the check

@@ -228,15 +228,29 @@ def test_eval_on_a_finished_tiny_stage(tiny_project):
     stage_sha = json.loads((out / "stage_complete.json").read_text())["sha256"]
     assert eval_is_current(ev, stage_sha)
     for key in ("stage", "tau", "spec_tokens_per_s", "target_tokens_per_s", "speedup", "gamma", "prompts",
-                "max_new_tokens", "context_tokens", "lossless", "draft_sha256", "time"):
+                "max_new_tokens", "context_tokens", "lossless", "draft_sha256", "time", "method", "temperature"):
         assert key in ev, key
+    # both methods by default, on the same prompts; the chain is the headline (what the gate reads)
+    chain, tree = ev["methods"]["chain"], ev["methods"]["tree"]
+    assert ev["method"] == "chain" and ev["tau"] == chain["tau"] and ev["temperature"] == 0
+    assert tree["tree_shape"] == [4, 16, 16, 16, 16] and tree["lossless"] is True and 1.0 <= tree["tau"] <= 6.0
+    assert tree["target_tokens_per_s"] == chain["target_tokens_per_s"] and tree["speedup"] > 0
 
     table = runner.invoke(app, ["eval", str(root), "base", "--num-prompts", "1", "--max-new-tokens", "8",
-                                "--gamma", "2"])
+                                "--gamma", "2", "--method", "tree", "--tree-shape", "2", "3", "2"])
     assert table.exit_code == 0, table.output
-    assert "base" in table.output and "yes" in table.output and "tau" in table.output
+    assert "base" in table.output and "yes" in table.output and "tree 2-3-2" in table.output
     assert "long" not in table.output.split("upstream")[-1]     # only the stage asked for
-    assert json.loads((out / "eval.json").read_text())["gamma"] == 2          # rewritten by the last run
+    ev = json.loads((out / "eval.json").read_text())            # rewritten by the last run
+    assert ev["method"] == "tree" and ev["tree_shape"] == [2, 3, 2] and list(ev["methods"]) == ["tree"]
+
+    sampled = runner.invoke(app, ["eval", str(root), "base", "--num-prompts", "1", "--max-new-tokens", "6",
+                                  "--method", "chain", "--temperature", "0.8", "--json"])
+    assert sampled.exit_code == 0, sampled.output
+    doc = json.loads(sampled.output[sampled.output.index("{"):])
+    assert doc["lossless"] is None and doc["results"][0]["temperature"] == 0.8
+    ok, message = gate_stage(out, None, 5)                      # a sampled eval.json cannot pass the gate
+    assert not ok and "sampling" in message
 
 
 @pytest.mark.slow

@@ -282,3 +282,17 @@ def test_tau_shows_only_when_eval_was_measured_on_the_current_draft(project, dra
     assert s["longcot"]["tau"] is None and s["longcot"]["reasons"] == []
     res = runner.invoke(app, ["status", str(project.root)])
     assert "2.31" in res.output and "x1.80" in res.output
+    assert s["base"]["tree_tau"] is None                      # an older eval.json: chain only, still read
+
+
+def test_status_shows_the_tree_tau_next_to_the_chain_tau(project, drafts):
+    finish_chain(project, drafts)
+    methods = {"chain": {"method": "chain", "tau": 2.31, "speedup": 1.8, "gamma": 4},
+               "tree": {"method": "tree", "tau": 3.47, "speedup": 2.25, "tree_shape": [4, 16, 16, 16, 16]}}
+    ev = {"stage": "base", "tau": 2.31, "gamma": 4, "lossless": True, "speedup": 1.8, "method": "chain",
+          "methods": methods, "draft_sha256": project.sha("base")}
+    (project.out("base") / "eval.json").write_text(json.dumps(ev))
+    s = _status(project)
+    assert s["base"]["tau"] == pytest.approx(2.31) and s["base"]["tree_tau"] == pytest.approx(3.47)
+    res = runner.invoke(app, ["status", str(project.root)])
+    assert "tree" in res.output and "3.47" in res.output and "x2.25" in res.output and "2.31" in res.output

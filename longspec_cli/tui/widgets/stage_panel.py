@@ -68,6 +68,8 @@ def _rows(st: StageView) -> tuple[tuple, ...]:
         ("llm_loss", _f(st.llm_loss, ".4f"), "tokens/s", tok),
         ("lr", _f(st.lr, ".3e"), "next", st.next_action or "-"),
     ]
+    if st.tau is not None or st.tree_tau is not None:
+        rows.append(("tau", _f(st.tau, ".2f"), "tree tau", _f(st.tree_tau, ".2f")))
     if st.state in ("failed", "stale") and st.reasons:
         rows.append(("why", Text(st.reasons[0], "red"), "", ""))
     if st.skipped_lines:
