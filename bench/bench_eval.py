@@ -1,13 +1,16 @@
-"""Tau and speed-up per stage (and per gamma) of a longspec project, e.g. the tiny preset.
+"""Chain against tree speculative decoding per stage of a longspec project, e.g. the tiny preset demo.
 
-    python bench/bench_eval.py DIR [--gammas 1,2,4] [--num-prompts 8] [--max-new-tokens 64]
+    python bench/bench_eval.py DIR [--gamma 4] [--tree-shape 4 16 16 16 16] [--num-prompts 8]
+                                   [--max-new-tokens 64] [--temperature 0]
     python bench/bench_eval.py DIR --init --train     # make a tiny project, train it, then measure
 
-For every finished stage and every gamma it runs `python -m longspec.evaluate RUN --no-write`
-(the same code `longspec eval` uses; eval.json is left alone) and prints one row:
-tau (tokens per target forward), speculative and plain decode tokens/s, speed-up, lossless.
-On a CPU the tiny target costs about as much per forward as one draft step, so the speed-up
-stays below 1 there whatever tau is: tau is the figure that transfers to real targets.
+For every finished stage it runs `python -m longspec.evaluate RUN --method chain --method tree
+--no-write` once (the same code `longspec eval` uses; both methods decode the same prompts and
+eval.json is left alone) and prints, per stage: chain tau, tree tau, their ratio, the tokens/s of
+plain, chain and tree decoding, and the tree/chain tokens/s ratio. tau (tokens per target
+forward) is the figure that transfers to real targets; on a CPU the tiny target costs about as
+much per forward as one draft step, so the tokens/s here say little about a GPU (and the
+machine may be shared: read the ratios, not the absolute figures).
 """
 from __future__ import annotations
 
@@ -29,7 +32,9 @@ def sh(cmd: list[str]) -> subprocess.CompletedProcess:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("project", type=Path)
-    ap.add_argument("--gammas", default="1,2,4")
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--tree-shape", type=int, nargs="+", default=[4, 16, 16, 16, 16])
+    ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--init", action="store_true", help="longspec init PROJECT --preset tiny first")
@@ -51,25 +56,31 @@ def main() -> int:
     if not stages:
         print("no finished stage to measure")
         return 1
-    gammas = [int(g) for g in args.gammas.split(",")]
-    print(f"{'stage':8} {'gamma':>5} {'tau':>6} {'spec tok/s':>11} {'target tok/s':>13} {'speed-up':>9} "
-          f"{'ctx':>5} {'lossless':>9} {'wall s':>7}")
+    shape = "-".join(map(str, args.tree_shape))
+    print(f"chain gamma {args.gamma} vs tree {shape}, temperature {args.temperature:g}, "
+          f"{args.num_prompts} prompts x {args.max_new_tokens} new tokens")
+    print(f"{'stage':8} {'ctx':>5} {'chain tau':>9} {'tree tau':>9} {'tau ratio':>9} {'plain tok/s':>11} "
+          f"{'chain tok/s':>11} {'tree tok/s':>10} {'tree/chain tok/s':>16} {'lossless':>8} {'wall s':>6}")
     for st in stages:
-        for g in gammas:
-            t0 = time.time()
-            p = sh([sys.executable, "-m", "longspec.evaluate", st.output_dir, "--stage", st.name, "--gamma", str(g),
-                    "--num-prompts", str(args.num_prompts), "--max-new-tokens", str(args.max_new_tokens),
-                    "--no-write", "--json"])
-            try:
-                r = json.loads(p.stdout.strip().splitlines()[-1])
-            except (ValueError, IndexError):
-                print(f"{st.name:8} {g:>5}  failed (exit {p.returncode}): {p.stderr.strip()[-300:]}")
-                continue
-            if "error" in r:
-                print(f"{st.name:8} {g:>5}  {r['error']}")
-                continue
-            print(f"{st.name:8} {g:>5} {r['tau']:>6.2f} {r['spec_tokens_per_s']:>11.1f} {r['target_tokens_per_s']:>13.1f} "
-                  f"{r['speedup']:>8.2f}x {r['context_tokens']:>5} {str(r['lossless']):>9} {time.time() - t0:>7.0f}")
+        t0 = time.time()
+        p = sh([sys.executable, "-m", "longspec.evaluate", st.output_dir, "--stage", st.name,
+                "--method", "chain", "--method", "tree", "--gamma", str(args.gamma),
+                "--tree-shape", *map(str, args.tree_shape), "--temperature", str(args.temperature),
+                "--num-prompts", str(args.num_prompts), "--max-new-tokens", str(args.max_new_tokens),
+                "--no-write", "--json"])
+        try:
+            r = json.loads(p.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            print(f"{st.name:8} failed (exit {p.returncode}): {p.stderr.strip()[-300:]}")
+            continue
+        if "error" in r:
+            print(f"{st.name:8} {r['error']}")
+            continue
+        c, t = r["methods"]["chain"], r["methods"]["tree"]
+        print(f"{st.name:8} {r['context_tokens']:>5} {c['tau']:>9.2f} {t['tau']:>9.2f} {t['tau'] / c['tau']:>8.2f}x "
+              f"{c['target_tokens_per_s']:>11.1f} {c['spec_tokens_per_s']:>11.1f} {t['spec_tokens_per_s']:>10.1f} "
+              f"{t['spec_tokens_per_s'] / max(c['spec_tokens_per_s'], 1e-9):>15.2f}x {str(r['lossless']):>8} "
+              f"{time.time() - t0:>6.0f}")
     return 0
 
 
