@@ -20,9 +20,11 @@ One round (batch 1):
     rollback  the target cache keeps the root and the accepted path (their K/V moved into place),
               the draft keeps its own cache (it catches up on the accepted tokens next round)
 
-tau = tokens per verify forward = accepted draft tokens + 1 (the bonus token); the paper's
-scripts add the same (accepted + 1) per round. Greedy output equals the target's greedy output
-token for token (up to floating point; compare in fp32).
+tau = tokens per verify forward = accepted draft tokens + 1 (the bonus token), averaged over the
+verify forwards: the paper's chain script counts the same; its tree script also counts the
+prefill as one forward that yields one token, which lowers tau slightly for short outputs (by
+(tau - 1) / (rounds + 1)). Greedy output equals the target's greedy output token for token (up
+to floating point; compare in fp32).
 
 Sampling (temperature T > 0), what this module implements and why it is exact: the target's
 distribution at a node is p = softmax(logits / T), the draft's q = softmax(draft logits / T).

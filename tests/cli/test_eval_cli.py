@@ -136,6 +136,25 @@ def test_eval_usage_errors(project, tmp_path):
     assert res.exit_code == 2
     res = runner.invoke(app, ["eval", str(project.root), "--gamma", "0"])
     assert res.exit_code == 2
+    for bad in (["--method", "beam"], ["--tree-shape", "0"], ["--tree-shape", "4,x"], ["--temperature", "-1"]):
+        res = runner.invoke(app, ["eval", str(project.root), *bad])
+        assert res.exit_code == 2, (bad, res.output)
+        no_traceback(res)
+
+
+def test_tree_shape_values_are_not_stage_names(project):
+    """`--tree-shape 4 16 16`: the values after the first arrive as positional arguments."""
+    from longspec_cli.commands.eval import parse_shape
+
+    assert parse_shape(["4", "16", "16"]) == parse_shape(["4 16,16"]) == (4, 16, 16)
+    res = runner.invoke(app, ["eval", str(project.root), "base", "--tree-shape", "4", "16", "16"])
+    assert res.exit_code == 1 and "stage base has no finished draft" in panel_text(res.output)
+
+
+def test_eval_command_passes_methods_shape_and_temperature(tmp_path):
+    argv = eval_command(tmp_path, "base", methods=("chain", "tree"), tree_shape=(2, 4), temperature=0.5)
+    joined = " ".join(argv)
+    assert "--method chain --method tree" in joined and "--tree-shape 2 4" in joined and "--temperature 0.5" in joined
 
 
 def test_export_refusals(project, drafts):

@@ -57,3 +57,13 @@ def test_usage_errors(tmp_path, running):
 def test_malformed_manifest_is_exit_3(tmp_path):
     (tmp_path / "longspec.yaml").write_text("name: [unclosed\n")
     assert runner.invoke(cli, ["monitor", str(tmp_path), "--once"]).exit_code == 3
+
+
+def test_stage_panel_shows_the_tree_tau_next_to_the_chain_tau():
+    from longspec_cli.tui.views import StageView
+    from longspec_cli.tui.widgets.stage_panel import _rows
+
+    st = StageView(name="base", state="done", output_dir="runs/base", draft_from=None, tau=2.31, tree_tau=3.47)
+    assert ("tau", "2.31", "tree tau", "3.47") in _rows(st)
+    plain = StageView(name="base", state="done", output_dir="runs/base", draft_from=None)
+    assert not any(row[0] == "tau" for row in _rows(plain))          # not measured: no row
