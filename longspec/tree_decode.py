@@ -87,6 +87,7 @@ class TokenTree:
     depth: list[int] = field(default_factory=lambda: [0])
     children: list[list[int]] = field(default_factory=lambda: [[]])
     q: dict[int, torch.Tensor] = field(default_factory=dict)   # node -> draft distribution (V,), sampling only
+    _mask: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def add(self, parent: int, token: int) -> int:
         self.tokens.append(int(token))
@@ -100,14 +101,17 @@ class TokenTree:
         return len(self.tokens)
 
     def ancestor_mask(self, device=None) -> torch.Tensor:
-        """(N, N) bool: [i, j] = node j is node i or one of its ancestors."""
+        """(N, N) bool: [i, j] = node j is node i or one of its ancestors (cached until the tree grows)."""
         n = len(self.tokens)
-        mask = torch.zeros(n, n, dtype=torch.bool)
-        for i in range(n):
-            if self.parent[i] >= 0:
-                mask[i] = mask[self.parent[i]]
-            mask[i, i] = True
-        return mask.to(device)
+        if self._mask is None or self._mask.shape[0] != n:
+            idx, par, dep = torch.arange(n), torch.tensor(self.parent), torch.tensor(self.depth)
+            mask = torch.zeros(n, n, dtype=torch.bool)
+            mask[idx, idx] = True
+            for d in range(1, int(dep.max()) + 1):            # parents come first: one level at a time
+                rows = idx[dep == d]
+                mask[rows] |= mask[par[rows]]
+            self._mask = mask
+        return self._mask.to(device)
 
 
 def grow_level(logp: torch.Tensor, scores: torch.Tensor, width: int, sample: bool,
