@@ -68,7 +68,7 @@ def summary(project_dir: Path) -> dict:
                 "loss": s.loss, "llm_loss": s.llm_loss, "lr": s.lr, "tokens_per_s": s.tokens_per_s,
                 "elapsed_s": s.elapsed_s, "eta_s": s.eta_s, "sha256": s.sha256, "draft_from": s.draft_from,
                 "output_dir": s.output_dir, "next_action": s.next_action, "reasons": list(s.reasons),
-                "skipped_lines": s.skipped_lines, "notices": list(s.notices),
+                "skipped_lines": s.skipped_lines, "notices": list(s.notices), "tau": s.tau, "tree_tau": s.tree_tau,
             }
             for s in view.stages
         ],
@@ -94,12 +94,13 @@ def _text(d: dict) -> str:
     def num(v, spec):
         return "-" if v is None else format(v, spec)
 
-    rows = [("stage", "state", "step", "loss", "llm_loss", "lr", "tok/s", "elapsed", "ETA", "draft")]
+    rows = [("stage", "state", "step", "loss", "llm_loss", "lr", "tok/s", "elapsed", "ETA", "tau", "tree tau", "draft")]
     for s in d["stages"]:
         step = "-" if s["step"] is None else f"{s['step']}/{s['total_steps'] or '?'}"
         rows.append((s["name"], s["state"], step, num(s["loss"], ".4f"), num(s["llm_loss"], ".4f"),
                      num(s["lr"], ".2e"), num(s["tokens_per_s"], ",.0f"), fmt_duration(s["elapsed_s"]),
-                     fmt_duration(s["eta_s"]) if s["state"] == "running" else "-", (s["sha256"] or "-")[:12]))
+                     fmt_duration(s["eta_s"]) if s["state"] == "running" else "-", num(s.get("tau"), ".2f"),
+                     num(s.get("tree_tau"), ".2f"), (s["sha256"] or "-")[:12]))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [f"project {d['project']} ({d['root']})"]
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]

@@ -67,3 +67,14 @@ def test_stage_panel_shows_the_tree_tau_next_to_the_chain_tau():
     assert ("tau", "2.31", "tree tau", "3.47") in _rows(st)
     plain = StageView(name="base", state="done", output_dir="runs/base", draft_from=None)
     assert not any(row[0] == "tau" for row in _rows(plain))          # not measured: no row
+
+
+def test_once_shows_chain_and_tree_tau_from_a_current_eval_json(running):
+    sha = json.loads((running / "runs/base/stage_complete.json").read_text())["sha256"]
+    methods = {"chain": {"method": "chain", "tau": 2.4, "speedup": 1.5}, "tree": {"method": "tree", "tau": 3.9}}
+    (running / "runs/base/eval.json").write_text(json.dumps(
+        {"stage": "base", "tau": 2.4, "gamma": 4, "lossless": True, "draft_sha256": sha, "methods": methods}))
+    d = json.loads(runner.invoke(cli, ["monitor", str(running), "--once", "--json"]).output)
+    assert (d["stages"][0]["tau"], d["stages"][0]["tree_tau"]) == (2.4, 3.9)
+    text = runner.invoke(cli, ["monitor", str(running), "--once"]).output
+    assert "tree tau" in text and "2.40  3.90" in text
