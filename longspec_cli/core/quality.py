@@ -153,7 +153,8 @@ def gate_stage(cur_dir: str | os.PathLike, prev_dir: str | os.PathLike | None, p
         return ok, msg + " (upstream draft on the same prompts)"
     prev_tau = None
     if prev is not None and (prev_sha256 is None or eval_is_current(prev, prev_sha256)):
-        prev_tau = float(prev["tau"])
+        same = method_figures(prev, str(cur.get("method") or "chain"))   # a chain tau is not a tree tau
+        prev_tau = float(same["tau"]) if same is not None else None
     ok, msg = gate_check(prev_tau, float(cur["tau"]), pct)
     return ok, msg + (" (upstream stage's own prompts)" if prev_tau is not None else "")
 

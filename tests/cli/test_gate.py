@@ -112,7 +112,7 @@ def test_gate_stops_at_the_stage_whose_tau_drops_too_far(finished):
     rows = summary_rows(res.stdout)
     assert rows["base"][:3] == ["base", "skip", "skipped"]
     assert rows["long"][2:4] == ["gate", "failed"] and rows["longcot"][2:4] == ["not", "run"]
-    assert rows["base"][-3:-1] == ["2.50", "1.67"] and rows["long"][-3:-1] == ["2.00", "1.33"]  # tau, speed-up
+    assert rows["base"][-4:-1] == ["2.50", "1.67", "-"] and rows["long"][-4:-1] == ["2.00", "1.33", "-"]  # tau, speed-up, tree tau
     assert "long: failed the quality gate" in res.stdout
     # every eval.json was current: none was measured again (a stand-in draft could not be measured)
     assert "not measured again" in res.stdout and "evaluating" not in res.stdout
@@ -127,7 +127,7 @@ def test_a_wider_gate_passes_every_stage_and_eval_alone_never_stops(finished):
     assert "nothing to do" in res.stdout
     res = cli("run", str(proj), "--all", "--eval", env=cpu_env())
     assert res.returncode == 0 and "gate" not in res.stdout, res.stdout + res.stderr
-    assert [r[-3] for r in summary_rows(res.stdout).values()] == ["2.50", "2.00", "2.10"]
+    assert [r[-4] for r in summary_rows(res.stdout).values()] == ["2.50", "2.00", "2.10"]
 
 
 def test_a_lossy_stage_fails_even_a_100_percent_gate(finished):
@@ -155,7 +155,7 @@ def test_a_non_current_eval_json_is_measured_again_by_the_real_evaluator(finishe
     res = cli("run", str(proj), "--all", "--eval", "--quiet", env=cpu_env(), timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "warning: long: evaluation failed" in res.stderr
-    assert summary_rows(res.stdout)["long"][-3] == "-"  # no tau for a draft that was not measured
+    assert summary_rows(res.stdout)["long"][-4] == "-"  # no tau for a draft that was not measured
 
 
 # ------------------------------------------------------------------ slow tier: the real trainer
@@ -189,7 +189,7 @@ def test_a_wrecked_long_stage_fails_the_gate_and_longcot_never_starts(tmp_path):
     assert "stage long failed the quality gate (--gate 10)" in err and f"longspec eval {proj} long" in err
     rows = summary_rows(res.stdout)
     assert rows["long"][2:4] == ["gate", "failed"] and rows["longcot"][2:4] == ["not", "run"]
-    assert float(rows["long"][-3]) == pytest.approx(ev["long"]["tau"], abs=0.005)
+    assert float(rows["long"][-4]) == pytest.approx(ev["long"]["tau"], abs=0.005)
 
     # again: base and long are done with current eval.json files: nothing trains, nothing is measured
     stamps = {s: ev[s]["time"] for s in ev}
