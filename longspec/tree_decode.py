@@ -285,10 +285,9 @@ def accept_greedy(tree: TokenTree, logits: torch.Tensor) -> tuple[list[int], lis
 def accept_sampled(tree: TokenTree, logits: torch.Tensor, temperature: float,
                    generator: torch.Generator | None) -> tuple[list[int], list[int]]:
     """Recursive rejection sampling down the tree (module docstring)."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1).cpu()                  # (N, V)
     path, v = [], 0
     while True:
-        p = probs[v].clone()
+        p = torch.softmax(logits[v].float() / temperature, dim=-1).cpu()               # (V,) only on the path
         chosen = None
         if tree.children[v]:
             q = tree.q[v].float().cpu().clone()
