@@ -17,7 +17,9 @@ EPILOG = """Examples:
 
   longspec next-stage --config conf/exp/long.yaml --draft runs/base/draft_model_weights.pth --json
 
-Only the `draft_model_name_or_path:` line of the stage YAML changes (added after model_name_or_path when absent); comments, quoting and line endings stay as they are.
+  longspec next-stage demo --to long --in demo/conf/common/draft.yaml
+
+Only the `draft_model_name_or_path:` line of the stage YAML changes (added after model_name_or_path when absent); comments, quoting and line endings stay as they are. A symlinked config is edited through the link. After the edit the stage is composed with Hydra, as the trainer composes it: when another file of its defaults list still decides the draft, the edit is rolled back (exit 1) and the message names that file and line (edit it with --in FILE). A `${...}` value is replaced only with --force.
 
 Exit codes: 0 done (or nothing to do), 1 refused (stage not complete, draft does not verify), 2 usage, 3 unreadable YAML or checkpoint."""
 
@@ -35,6 +37,9 @@ def next_stage(
                                         "a subprocess and check keys/shapes against the target "
                                         "(default: on when torch is installed).", show_default=False),
     as_json: bool = typer.Option(False, "--json", help="Print {config, key, old, new, changed, draft_sha256}."),
+    edit_in: Optional[Path] = typer.Option(None, "--in", help="Edit this file of the stage's defaults list "
+                                           "instead of the stage file (the one that decides the draft key)."),
+    force: bool = typer.Option(False, "--force", help="Replace a `${...}` value of the draft key too."),
 ) -> None:
     """Verify the previous stage's final draft and write its absolute path into the next stage's config."""
 
@@ -46,14 +51,15 @@ def next_stage(
                 raise UsageError("give either a project (DIR [--to STAGE]) or --config FILE --draft PATH, not both")
             if config is None or draft is None:
                 raise UsageError("explicit mode needs both --config FILE and --draft PATH")
-            result = chain.chain_explicit(config, draft, dry_run=dry_run, deep=deep)
+            result = chain.chain_explicit(config, draft, dry_run=dry_run, deep=deep, edit_in=edit_in, force=force)
         else:
             if project_dir is None:
                 raise UsageError("missing project folder",
                                  hint="longspec next-stage DIR, or longspec next-stage --config FILE --draft PATH")
             from longspec_cli.core.manifest import load_manifest
 
-            result = chain.chain_project(load_manifest(project_dir), to, dry_run=dry_run, deep=deep)
+            result = chain.chain_project(load_manifest(project_dir), to, dry_run=dry_run, deep=deep,
+                                         edit_in=edit_in, force=force)
         _report(result, dry_run=dry_run, as_json=as_json)
 
     run_cli(body)
@@ -73,6 +79,8 @@ def _report(result, *, dry_run: bool, as_json: bool) -> None:
         typer.echo(json.dumps({**result.to_json(), "dry_run": dry_run}, indent=2, ensure_ascii=False))
         return
     label = f"{result.stage} <- {result.from_stage}: " if result.stage else ""
+    if result.note:
+        typer.echo(f"note: {result.note}")
     sha = f" (sha256 {result.draft_sha256[:12]}...)" if result.draft_sha256 else ""
     deep = result.deep_check
     checked = ""

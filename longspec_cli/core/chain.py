@@ -382,6 +382,7 @@ class ChainResult:
     from_stage: str | None = None
     deep_check: dict | None = None
     diff: str = field(default="", repr=False)
+    note: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -389,8 +390,21 @@ class ChainResult:
         return d
 
 
+def composed_draft(config: Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Any, str | None]:
+    """(the draft path the trainer will read, None or why the stage does not compose)."""
+    from longspec_cli.core.hydracompose import compose_stage
+
+    c = compose_stage(config, list(overrides))
+    errors = [p for p in c.problems if p.severity == "error" and p.key in (None, "defaults")]
+    if not c.ok or errors:
+        first = (errors or [p for p in c.problems if p.severity == "error"] or [None])[0]
+        return c.get(DRAFT_KEY), (f"{first.where()}: {first.message}" if first else "Hydra cannot compose it")
+    return c.get(DRAFT_KEY), None
+
+
 def pick_stage(manifest: Manifest, to: str | None) -> tuple[StageSpec, StageSpec] | None:
-    """(target stage, stage whose draft it takes); None when every finished upstream is already chained."""
+    """(target stage, stage whose draft it takes); None when every finished upstream is already chained.
+    A stage counts as chained when its *composed* draft key points at the upstream's final draft."""
     if to is not None:
         spec = manifest.stage(to)
         prev = manifest.previous(to)
@@ -406,7 +420,7 @@ def pick_stage(manifest: Manifest, to: str | None) -> tuple[StageSpec, StageSpec
         if not _looks_done(prev):
             continue
         finished = True
-        current = yamlio.load_mapping(spec.config).data.get(DRAFT_KEY)
+        current, _ = composed_draft(spec.config) if spec.config.is_file() else (None, None)
         if not _points_at(current, runfolder.RunDir(prev.output_dir).weights_for(
                 runfolder.RunDir(prev.output_dir).stage_complete()), manifest.root):
             return spec, prev
@@ -444,30 +458,93 @@ def target_of(config_data: Any, base: Path, fallback: Path | None) -> Path | Non
     return fallback if fallback is not None and Path(fallback).is_dir() else None
 
 
+def _winner(config: Path) -> tuple[Any, Any]:
+    """(the composed stage, the Origin that sets DRAFT_KEY last)."""
+    from longspec_cli.core.hydracompose import compose_stage
+
+    c = compose_stage(config)
+    return c, (c.origins.get(DRAFT_KEY) or [None])[-1]
+
+
+def _same_path(a: Path | None, b: Path) -> bool:
+    return a is not None and os.path.realpath(a) == os.path.realpath(b)
+
+
+def _rank(order: list[Path], path: Path) -> int:
+    return next((i for i, f in enumerate(order) if _same_path(f, path)), -1)
+
+
+def _refuse_winner(config: Path, edited: Path, origin: Any, new: str) -> RefusedError:
+    if origin is not None and origin.kind == "file" and origin.file is not None:
+        where = f"{origin.file}:{origin.line}" if origin.line else str(origin.file)
+        return RefusedError(f"{config}: after the edit Hydra still composes {DRAFT_KEY} from {where}, not {new}; "
+                            f"nothing changed",
+                            hint=f"that file comes later in the defaults list; edit it instead with --in {origin.file}")
+    return RefusedError(f"{config}: after the edit {edited} would not decide {DRAFT_KEY}; nothing changed",
+                        hint="edit the stage file itself (`--in` names a file of the stage's defaults list)")
+
+
 def write_draft_key(config: Path, draft: VerifiedDraft, *, dry_run: bool, stage: str | None = None,
-                    from_stage: str | None = None) -> ChainResult:
-    """Set DRAFT_KEY in `config` to the draft's absolute path (one line), atomically under a lock."""
+                    from_stage: str | None = None, edit_in: Path | None = None,
+                    force: bool = False) -> ChainResult:
+    """Set DRAFT_KEY to the draft's absolute path (one line) in the stage file, or in `edit_in` (a file
+    of its defaults list), atomically under a lock; then compose the stage with Hydra and keep the
+    edit only when the composed DRAFT_KEY is the new path (else roll back, RefusedError)."""
     import contextlib
 
     from longspec_cli.core.atomic import atomic_write_text, locked
 
     new = str(draft.path)
-    guard = contextlib.nullcontext() if dry_run else locked(config)
+    before, winner = _winner(config)
+    composes = before.ok and not any(p.severity == "error" and p.key in (None, "defaults") for p in before.problems)
+    target = Path(edit_in) if edit_in is not None else config
+    if edit_in is not None and not any(_same_path(f, target) for f in before.files):
+        raise UsageError(f"--in {edit_in}: not a file of {config.name}'s defaults list",
+                         hint="files composed: " + ", ".join(str(f) for f in before.files))
+    if winner is not None and winner.kind == "file" and not _same_path(winner.file, target) \
+            and _rank(before.merge_order, winner.file) > _rank(before.merge_order, target):
+        raise _refuse_winner(config, target, winner, new)
+    real = Path(os.path.realpath(target))  # a symlinked config is edited through the link
+    note = None if composes else (f"{config.name} does not compose with Hydra as it stands "
+                                  "(`longspec validate` says why); the edit was checked as text only")
+    guard = contextlib.nullcontext() if dry_run else locked(real)
     with guard:
-        text = yamlio.read_text(config)
-        with open(config, "rb") as f:
+        text = yamlio.read_text(real)
+        with open(real, "rb") as f:
             bom = BOM if f.read(3) == b"\xef\xbb\xbf" else ""
-        edit = set_root_scalar(text, DRAFT_KEY, new, config)
+        current = yamlio.parse(text, real)
+        old = current.get(DRAFT_KEY) if isinstance(current, dict) else None
+        if isinstance(old, str) and "${" in old:
+            if not force:
+                raise RefusedError(f"{target}: {DRAFT_KEY} is an interpolation ({old}); refusing to replace it",
+                                   hint="pass --force to replace it with the draft's path")
+            note = "; ".join(x for x in (note, f"replaced the interpolation {old} (--force)") if x)
+        edit = set_root_scalar(text, DRAFT_KEY, new, real)
         written = False
         if edit.changed and not dry_run:
-            atomic_write_text(config, bom + edit.new_text)
+            atomic_write_text(real, bom + edit.new_text)
             written = True
-    return ChainResult(config=str(config), key=DRAFT_KEY, old=edit.old_value, new=new, changed=edit.changed,
+        if written and composes:
+            value, why = composed_draft(config)
+            if why is not None or not _points_at(value, draft.path, config.parent):
+                atomic_write_text(real, bom + edit.old_text)  # roll back: nothing changed
+                _, winner = _winner(config)
+                if why is not None:
+                    raise RefusedError(f"{config}: does not compose after the edit ({why}); nothing changed")
+                raise _refuse_winner(config, target, winner, new)
+    return ChainResult(config=str(target), key=DRAFT_KEY, old=edit.old_value, new=new, changed=edit.changed,
                        written=written, draft_sha256=draft.sha256, stage=stage, from_stage=from_stage,
-                       deep_check=draft.deep, diff=edit.diff(str(config)) if edit.changed else "")
+                       deep_check=draft.deep, diff=edit.diff(str(target)) if edit.changed else "", note=note)
 
 
-def chain_project(manifest: Manifest, to: str | None, *, dry_run: bool, deep: bool | None) -> ChainResult | None:
+def _draft_target(config: Path, base: Path, fallback: Path | None) -> Path | None:
+    from longspec_cli.core.hydracompose import compose_stage
+
+    return target_of(compose_stage(config).data, base, fallback)
+
+
+def chain_project(manifest: Manifest, to: str | None, *, dry_run: bool, deep: bool | None,
+                  edit_in: Path | None = None, force: bool = False) -> ChainResult | None:
     picked = pick_stage(manifest, to)
     if picked is None:
         return None
@@ -475,14 +552,16 @@ def chain_project(manifest: Manifest, to: str | None, *, dry_run: bool, deep: bo
     if not spec.config.is_file():
         raise UsageError(f"stage {spec.name}: config {spec.config} does not exist",
                          hint="fix `config` in longspec.yaml")
-    doc = yamlio.load_mapping(spec.config)  # bad YAML -> exit 3 before anything else happens
-    draft = verify_stage_draft(prev, target_of(doc.data, manifest.root, manifest.target), deep)
-    return write_draft_key(spec.config, draft, dry_run=dry_run, stage=spec.name, from_stage=prev.name)
+    yamlio.load_mapping(spec.config)  # bad YAML -> exit 3 before anything else happens
+    draft = verify_stage_draft(prev, _draft_target(spec.config, manifest.root, manifest.target), deep)
+    return write_draft_key(spec.config, draft, dry_run=dry_run, stage=spec.name, from_stage=prev.name,
+                           edit_in=edit_in, force=force)
 
 
-def chain_explicit(config: Path, draft_path: Path, *, dry_run: bool, deep: bool | None) -> ChainResult:
+def chain_explicit(config: Path, draft_path: Path, *, dry_run: bool, deep: bool | None,
+                   edit_in: Path | None = None, force: bool = False) -> ChainResult:
     if not config.exists():
         raise UsageError(f"{config}: no such file", hint="--config takes a stage YAML")
-    doc = yamlio.load_mapping(config)
-    draft = verify_explicit_draft(draft_path, target_of(doc.data, config.parent, None), deep)
-    return write_draft_key(config, draft, dry_run=dry_run)
+    yamlio.load_mapping(config)
+    draft = verify_explicit_draft(draft_path, _draft_target(config, config.parent, None), deep)
+    return write_draft_key(config, draft, dry_run=dry_run, edit_in=edit_in, force=force)

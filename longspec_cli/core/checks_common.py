@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from longspec_cli.core.compose import Composed, Origin
+from longspec_cli.core.hydracompose import Composed, Origin
 from longspec_cli.core.placeholders import has_placeholder
 
 CHECKPOINT_RE = re.compile(r"(?:^|/)checkpoint-(?:last|best|\d+)(?:/|$)")
@@ -37,6 +37,10 @@ def usable(value: Any) -> bool:
 
 def where_origin(c: Composed, o: Origin) -> str:
     """`line 12` in the stage file itself, `deepspeed/zero1.yaml:18` elsewhere."""
+    if o.kind == "override":
+        return "command-line override"
+    if o.kind == "default":
+        return f"trainer default (config.yaml:{o.line})" if o.line else "trainer default"
     if o.file == c.path:
         return f"line {o.line}" if o.line else c.path.name
     name = f"{o.file.parent.name}/{o.file.name}" if o.file.parent.name else o.file.name

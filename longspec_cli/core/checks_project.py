@@ -14,7 +14,8 @@ from typing import Any
 
 from longspec_cli.core import schema as S
 from longspec_cli.core.checks_common import CHECKPOINT_RE, Context, abs_path, is_under, usable
-from longspec_cli.core.compose import Composed, strip_comment
+from longspec_cli.core.hydracompose import Composed
+from longspec_cli.core.placeholders import strip_comment
 from longspec_cli.core.problem import Problem
 
 WEIGHTS_NAMES = ("draft_model_weights.pth", "draft_model_weights.safetensors")
@@ -215,7 +216,8 @@ def manifest_checks(m: Any) -> list[Problem]:
 def stage_in_project(c: Composed, st: Any, m: Any, ctx: Context) -> list[Problem]:
     """What only a project can tell: the manifest's run folder, the chain, the target, the nodes."""
     out: list[Problem] = []
-    out_dir = c.get("output_dir")
+    written = [o for o in c.origins.get("output_dir", []) if o.kind == "file"]  # `run` overrides it
+    out_dir = written[-1].value if written else None
     if usable(out_dir) and abs_path(ctx, out_dir) != st.output_dir:
         out.append(c.problem("error", "output_dir", f"output_dir {abs_path(ctx, out_dir)} disagrees with longspec.yaml "
                                                     f"(stage {st.name}: {st.output_dir})",

@@ -14,7 +14,8 @@ from typing import Any
 from longspec_cli.core import schema as S
 from longspec_cli.core.checks_common import (CHECKPOINT_RE, Context, abs_path, fmt_value, is_under, usable,
                                              where_origin, where_set)
-from longspec_cli.core.compose import Composed, Origin, has_placeholder, read_doc
+from longspec_cli.core.hydracompose import Composed, Origin
+from longspec_cli.core.placeholders import has_placeholder
 from longspec_cli.core.problem import Problem
 
 LONG_CONTEXT = 8192  # a stage above this many tokens is a long-context stage
@@ -308,13 +309,13 @@ def _target_limit(c: Composed, d: str, ctx: Context) -> tuple[int, str] | None:
 
 
 def _preset_context(name: str) -> int | None:
-    """The preset's position limit, read from templates/presets.yaml (fast parse)."""
+    """The preset's position limit (core.presets owns the table)."""
     from longspec_cli.core import presets
+    from longspec_cli.errors import LongspecError
 
     try:
-        table = read_doc(presets.templates_dir() / "presets.yaml").node
-        context = table[name]["context"]
-    except (FileNotFoundError, OSError, KeyError, TypeError):
+        context = presets.get_preset(name).context
+    except (LongspecError, OSError, TypeError):
         return None
     return context if isinstance(context, int) and not isinstance(context, bool) else None
 

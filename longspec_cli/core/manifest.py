@@ -97,7 +97,7 @@ def find_manifest(path: str | os.PathLike) -> Path:
 def load_manifest(project: str | os.PathLike) -> Manifest:
     """Read and check DIR/longspec.yaml (or the given manifest file)."""
     path = find_manifest(project)
-    doc = yamlio.load_mapping(path, fast=True)  # a plain read: never edited in place
+    doc = yamlio.load_mapping(path)
     return _build(doc, path)
 
 

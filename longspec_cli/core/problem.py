@@ -15,6 +15,9 @@ class Problem:
     message: str
     hint: str | None = None
 
+    def where(self) -> str:
+        return f"{self.file}:{self.line}" if self.line else str(self.file)
+
     def to_json(self) -> dict[str, Any]:
         return {"severity": self.severity, "file": self.file, "line": self.line, "key": self.key,
                 "message": self.message, "hint": self.hint}

@@ -147,14 +147,12 @@ def _same_file(value: str | None, path: str, root: Path) -> bool:
 
 
 def _draft_key(config: Path, notes: list[str]) -> str | None:
-    from longspec_cli.core import yamlio
+    """The draft path the trainer will read: the composed value, not the stage file's text."""
+    from longspec_cli.core.chain import composed_draft
 
-    try:
-        doc = yamlio.load_mapping(config, fast=True)
-    except yamlio.YamlError as e:
-        notes.append(f"config unreadable: {e.message}")
-        return None
-    v = doc.data.get(DRAFT_KEY)
+    v, problem = composed_draft(config)
+    if problem:
+        notes.append(f"config unreadable (it does not compose): {problem}")
     return None if v is None else str(v)
 
 

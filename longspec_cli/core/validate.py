@@ -4,7 +4,7 @@
 
 A PATH is a project folder (longspec.yaml + conf/), a longspec.yaml, a single stage YAML (ours
 or upstream's), or a folder of stage YAMLs. Each check is a small function taking the composed
-config; none raises for bad input. Pure: no torch, deepspeed, transformers, hydra, omegaconf.
+config; none raises for bad input. Pure: no torch, deepspeed, transformers; Hydra composes (core.hydracompose).
 
     checks_stage     one composed stage file: keys, types, paths, precision, ZeRO, batch, length
     checks_project   the chain, lineage forks, the manifest's run folders, multi-node paths
@@ -28,8 +28,7 @@ from longspec_cli.core.checks_stage import (check_batch, check_duplicates, check
                                             check_required, check_seq_len, check_types, check_unknown_keys,
                                             check_zero, global_batch, zero_stage)
 from longspec_cli.core.checks_target import check_target_family
-from longspec_cli.core.compose import Composed, compose_file
-from longspec_cli.core.compose import Origin, has_placeholder, read_doc, strip_comment  # noqa: F401 (re-exported)
+from longspec_cli.core.hydracompose import Composed, compose_stage
 from longspec_cli.core.problem import Problem
 from longspec_cli.errors import LongspecError, UsageError
 
@@ -79,9 +78,9 @@ FILE_CHECKS: tuple[Callable[[Composed, str, Context], list[Problem]], ...] = (
 def _check_file(c: Composed, ctx: Context) -> tuple[list[Problem], dict[str, Any]]:
     problems = list(c.problems)
     summary: dict[str, Any] = {"file": str(c.path), "stage": getattr(ctx.stage, "name", None)}
-    if not c.ok:
+    if not c.data:
         return problems, summary
-    d = S.dialect_of(c.data)
+    d = c.dialect
     if d in (S.DEEPSPEED, S.HYDRA):
         return _check_fragment(c, d, ctx, problems), {**summary, "dialect": d}
     for check in FILE_CHECKS:
@@ -93,11 +92,10 @@ def _check_file(c: Composed, ctx: Context) -> tuple[list[Problem], dict[str, Any
 
 def _check_fragment(c: Composed, d: str, ctx: Context, problems: list[Problem]) -> list[Problem]:
     """A DeepSpeed or Hydra file given on its own: its ${...} point into the stage that includes it."""
-    problems = [p for p in problems if p not in c.unset_refs]
     if d == S.HYDRA:
         return problems + [c.problem("info", None, "Hydra settings, not a stage config: checked for syntax only")]
     wrapped = Composed(c.path, True, {"ds_cfg": c.data}, {f"ds_cfg.{k}": v for k, v in c.origins.items()},
-                       {}, c.files)
+                       {}, c.files, dialect=S.LONGSPEC)
     problems += check_unknown_keys(wrapped, S.LONGSPEC, ctx, {"ds_cfg": S.DS_SPEC})
     problems += check_types(wrapped, S.LONGSPEC, ctx) + check_zero(wrapped, S.LONGSPEC, ctx)
     return problems + [c.problem("info", None, "DeepSpeed config on its own: its ${...} are filled in by the stage "
@@ -107,7 +105,7 @@ def _check_fragment(c: Composed, d: str, ctx: Context, problems: list[Problem]) 
 def validate_file(path: Path, world_size: int | None = None, cache: dict | None = None) -> Report:
     world, src = (world_size, "--world-size") if world_size else (DEFAULT_WORLD, "default")
     ctx = Context(base_dir=Path.cwd(), world=world, world_from=src)
-    c = compose_file(path, cache)
+    c = compose_stage(path)
     problems, summary = _check_file(c, ctx)
     rep = Report(files=[summary])
     rep.add(problems)
@@ -143,7 +141,7 @@ def validate_project(root: Path, world_size: int | None = None, cache: dict | No
             continue
         ctx = Context(base_dir=m.root, world=world, world_from=src, manifest=m, stage=st,
                       earlier={s.output_dir: s.name for s in m.stages[:i]})
-        c = compose_file(st.config, cache)
+        c = compose_stage(st.config, [f"output_dir={st.output_dir}"])
         file_problems, summary = _check_file(c, ctx)
         problems += file_problems + (stage_in_project(c, st, m, ctx) if c.ok else [])
         rep.files.append(summary)

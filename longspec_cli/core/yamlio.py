@@ -4,10 +4,6 @@ Checks done before or while parsing: missing file, folder, binary content, non-U
 empty file, tabs used for indentation, syntax errors, duplicate keys, alias bombs and
 self-referencing aliases, a root that is not a mapping. The parsed document is ruamel's
 round-trip form, so callers get line numbers for every key (`YamlDoc.line_of`).
-
-`fast=True` (parse, load_mapping) is for plain reads: a clean file is parsed by PyYAML's C
-parser into LineMap/LineList (same values, same lines); anything else goes the ruamel way, so
-every error message and bad-input rule stays the same. Round-trip edits must not use it.
 """
 
 from __future__ import annotations
@@ -47,7 +43,7 @@ class YamlDoc:
 
     path: Path | None
     text: str
-    data: Any  # ruamel CommentedMap (round-trip types), or a LineMap (fast=True)
+    data: Any  # ruamel CommentedMap (round-trip types)
 
     def line_of(self, dotted: str) -> int | None:
         """1-based line of the key `a.b.c`, or of its nearest existing parent."""
@@ -60,26 +56,8 @@ class YamlDoc:
         return line
 
 
-class LineMap(dict):
-    """A mapping that knows the 1-based line of each key (what fast=True returns)."""
-
-    def __init__(self):
-        super().__init__()
-        self.lines: dict[Any, int] = {}
-
-
-class LineList(list):
-    """A list that knows the 1-based line of each item (what fast=True returns)."""
-
-    def __init__(self):
-        super().__init__()
-        self.lines: list[int] = []
-
-
 def key_line(mapping: Any, key: Any) -> int | None:
-    """1-based line of `key` in a parsed mapping (either parser), or None."""
-    if isinstance(mapping, LineMap):
-        return mapping.lines.get(key)
+    """1-based line of `key` in a parsed mapping, or None."""
     try:
         return mapping.lc.key(key)[0] + 1
     except (AttributeError, KeyError, TypeError, IndexError):
@@ -87,9 +65,7 @@ def key_line(mapping: Any, key: Any) -> int | None:
 
 
 def item_line(seq: Any, i: int) -> int | None:
-    """1-based line of item `i` of a parsed list (either parser), or None."""
-    if isinstance(seq, LineList):
-        return seq.lines[i] if 0 <= i < len(seq.lines) else None
+    """1-based line of item `i` of a parsed list, or None."""
     try:
         return seq.lc.item(i)[0] + 1
     except (AttributeError, KeyError, TypeError, IndexError):
@@ -181,15 +157,8 @@ def _check_aliases(text: str, path: Path | None) -> None:
         size(root)
 
 
-def parse(text: str, path: Path | None = None, *, fast: bool = False) -> Any:
-    """Parse YAML text (round-trip types; LineMap/LineList when `fast` and the text is plain).
-    Raises YamlError with a position."""
-    if fast:
-        from longspec_cli.core.yamlfast import NOT_PLAIN, parse_plain
-
-        data = parse_plain(text)
-        if data is not NOT_PLAIN:
-            return data
+def parse(text: str, path: Path | None = None) -> Any:
+    """Parse YAML text (round-trip types). Raises YamlError with a position."""
     from ruamel.yaml.constructor import DuplicateKeyError
     from ruamel.yaml.error import MarkedYAMLError, YAMLError
 
@@ -218,15 +187,13 @@ def _first_line(s: str) -> str:
     return str(s).strip().splitlines()[0] if str(s).strip() else str(s)
 
 
-def load_mapping(path: str | Path, *, allow_empty: bool = False, fast: bool = False) -> YamlDoc:
-    """Read and parse a YAML file whose root must be a mapping (`fast`: see parse)."""
+def load_mapping(path: str | Path, *, allow_empty: bool = False) -> YamlDoc:
+    """Read and parse a YAML file whose root must be a mapping."""
     path = Path(path)
     text = read_text(path)
-    data = parse(text, path, fast=fast)
+    data = parse(text, path)
     if data is None:
         if allow_empty:
-            if fast:
-                return YamlDoc(path, text, LineMap())
             from ruamel.yaml.comments import CommentedMap
 
             return YamlDoc(path, text, CommentedMap())

@@ -118,17 +118,17 @@ def exp_location(spec: StageSpec) -> tuple[Path, str]:
 _COMPOSED: dict[tuple, Any] = {}
 
 
-def composed(path: Path):
-    """compose_file(path), remembered while the file is unchanged (a chain edit changes it)."""
-    from longspec_cli.core import compose
+def composed(path: Path, overrides: tuple[str, ...] = ()):
+    """compose_stage(path, overrides), remembered while the file is unchanged (a chain edit changes it)."""
+    from longspec_cli.core.hydracompose import compose_stage
 
     try:
         st = path.stat()
-        key = (str(path), st.st_mtime_ns, st.st_size)
+        key = (str(path), st.st_mtime_ns, st.st_size, tuple(overrides))
     except OSError:
-        return compose.compose_file(path)
+        return compose_stage(path, list(overrides))
     if key not in _COMPOSED:
-        _COMPOSED[key] = compose.compose_file(path)
+        _COMPOSED[key] = compose_stage(path, list(overrides))
     return _COMPOSED[key]
 
 

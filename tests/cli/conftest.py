@@ -79,8 +79,8 @@ def _isolated_cache(tmp_path, monkeypatch):
 
 
 STAGE_YAML = """\
-# python -m longspec.train --config-dir {root}/conf +exp={name}
 # @package _global_
+# python -m longspec.train --config-dir {root}/conf +exp={name}
 defaults:
   - /deepspeed@ds_cfg: zero1_offload_cosine
   - _self_

@@ -63,7 +63,7 @@ def draft(tmp_path) -> Path:
 # (id, file text, index of the line that changes/appears, expected new line with {p} = the path)
 SHAPES = [
     ("null with trailing comment",
-     "# header\n# @package _global_\nstage: long\ndraft_model_name_or_path: null  # set by next-stage\nlr: 1\n",
+     "# @package _global_\n# header\nstage: long\ndraft_model_name_or_path: null  # set by next-stage\nlr: 1\n",
      3, "draft_model_name_or_path: {p}  # set by next-stage"),
     ("tilde", "a: 1\ndraft_model_name_or_path: ~\nb: 2\n", 1, "draft_model_name_or_path: {p}"),
     ("empty value with comment", "a: 1\ndraft_model_name_or_path:    # nothing yet\nb: 2\n",
@@ -100,8 +100,8 @@ SHAPES = [
 ]
 
 OTHER_SHAPES = """\
-# python -m longspec.train --config-dir conf +exp=long
 # @package _global_
+# python -m longspec.train --config-dir conf +exp=long
 defaults:
     - /deepspeed@ds_cfg: zero3_offload_cosine   # four-space indents
     - _self_

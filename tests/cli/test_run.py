@@ -392,7 +392,7 @@ def test_the_cli_never_imports_torch_or_deepspeed(tmp_path):
     proj = scaffold(tmp_path)
     code = ("import sys\nfrom longspec_cli.launch import pipeline, argv\n"
             f"pipeline.run_request(pipeline.RunRequest(project={str(proj)!r}, all=True, dry_run=True))\n"
-            "bad = sorted(m for m in ('torch', 'deepspeed', 'transformers', 'hydra', 'textual', 'omegaconf')"
+            "bad = sorted(m for m in ('torch', 'deepspeed', 'transformers', 'textual')"
             " if m in sys.modules)\nprint('IMPORTED', bad)\n")
     res = subprocess.run([PY, "-c", code], capture_output=True, text=True, cwd=ROOT, env=cpu_env())
     assert "IMPORTED []" in res.stdout, res.stdout + res.stderr

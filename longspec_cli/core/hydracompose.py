@@ -1,0 +1,535 @@
+"""Compose a stage with Hydra itself, exactly as the trainer does, and say where every key was set.
+
+    compose_stage(conf/exp/long.yaml, overrides) -> Composed(data, origins, problems, ...)
+
+The trainer runs `python -m longspec.train --config-dir DIR/conf +exp=STAGE [overrides]`: Hydra
+composes the trainer's primary `longspec/conf/config.yaml` (found on disk, never imported), then
+DIR/conf/exp/STAGE.yaml and its defaults list, then the overrides. Here the same search path and
+the same `Hydra.compose_config` call produce the same DictConfig. What Hydra does not give is
+added on top:
+
+  provenance  each dotted key's file:line, from ruamel positions in the defaults list's files,
+              walked in Hydra's merge order (the last one wins; `???` never wins over a value)
+  problems    Hydra's own errors (missing config, no-match override, duplicate group, a header
+              that leaves the stage under `exp.`, an interpolation to a missing key) as Problems
+              with a file, a line and a hint; every leaf resolved on its own, so all at once
+
+An upstream experiment file (the reference trainer's dialect) is composed as its own primary
+config with its conf/ folder on the search path, the way the reference trainer reads it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from longspec_cli.core import schema as S
+from longspec_cli.core import yamlio
+from longspec_cli.core.placeholders import has_placeholder, scan_placeholders, show_placeholders
+from longspec_cli.core.problem import Problem
+
+HEADER = "# @package _global_"
+HEADER_HINT = "`# @package _global_` must be the first line; Hydra reads it only before any other comment"
+TRAINER_MODULE = "longspec"
+MISSING = "???"
+_REF = re.compile(r"\$\{([\w.]+)\}")
+
+
+# ---------------------------------------------------------------- where things are
+
+def trainer_conf_dir() -> Path:
+    """longspec/conf of the installed trainer, located without importing the `longspec` package."""
+    env = os.environ.get("LONGSPEC_TRAINER_CONF")
+    if env:
+        return Path(env)
+    spec = importlib.util.find_spec(TRAINER_MODULE)
+    if spec is None or not spec.submodule_search_locations:
+        return Path(__file__).resolve().parents[2] / "longspec" / "conf"
+    return Path(list(spec.submodule_search_locations)[0]) / "conf"
+
+
+def stage_location(path: Path) -> tuple[Path, str] | None:
+    """(conf dir, exp name) for `--config-dir CONF +exp=NAME`, or None when not under an exp/ folder."""
+    parts = Path(os.path.abspath(path)).parent.parts
+    if "exp" not in parts:
+        return None
+    i = len(parts) - 1 - parts[::-1].index("exp")
+    return Path(*parts[:i]), "/".join(parts[i + 1:] + (Path(path).stem,))
+
+
+@dataclass(frozen=True)
+class Origin:
+    file: Path | None  # None: a command-line override
+    line: int | None
+    value: Any = None  # the leaf value written there (None for a mapping)
+    kind: str = "file"  # file | default (the trainer's primary config) | override
+
+    def describe(self, stage_file: Path | None = None) -> str:
+        if self.kind == "override":
+            return "override"
+        where = f"{self.file}:{self.line}" if self.line else str(self.file)
+        return f"trainer default ({where})" if self.kind == "default" else where
+
+
+@dataclass
+class Composed:
+    path: Path  # the stage file
+    ok: bool  # False: Hydra could not compose it (data is what could be read)
+    data: dict[str, Any]  # resolved config (unresolvable leaves keep their `${...}` text)
+    origins: dict[str, list[Origin]]  # dotted key -> every place that set it, last one wins
+    refs: dict[str, list[str]]  # dotted key -> the keys its ${...} refers to
+    files: list[Path]  # every file of the defaults list, stage file first
+    problems: list[Problem] = field(default_factory=list)
+    dialect: str = S.LONGSPEC
+    missing: list[str] = field(default_factory=list)  # keys left `???`
+    merge_order: list[Path] = field(default_factory=list)  # the defaults list's files, first merged first
+
+    def get(self, dotted: str, default: Any = None) -> Any:
+        node: Any = self.data
+        for part in dotted.split("."):
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            else:
+                return default
+        return node
+
+    def has(self, dotted: str) -> bool:
+        sentinel = object()
+        return self.get(dotted, sentinel) is not sentinel
+
+    def origin(self, dotted: str) -> Origin:
+        """Where `dotted` was last set (or its nearest parent; else the stage file)."""
+        parts = dotted.split(".")
+        while parts:
+            hits = self.origins.get(".".join(parts))
+            if hits:
+                return hits[-1]
+            parts.pop()
+        return Origin(self.path, None)
+
+    def problem(self, severity: str, key: str | None, message: str, hint: str | None = None,
+                at: str | None = None) -> Problem:
+        """A Problem at the file:line of `at` (default `key`); keys left to the trainer's defaults
+        or set on the command line are reported against the stage file."""
+        o = self.origin(at or key) if (at or key) else Origin(self.path, None)
+        file, line = (o.file, o.line) if o.kind == "file" else (self.path, None)
+        return Problem(severity, str(file), line, key, show_placeholders(message),
+                       show_placeholders(hint) if hint else hint)
+
+
+# ---------------------------------------------------------------- reading one file with positions
+
+_DOCS: dict[tuple, tuple[Any, list[Problem], str]] = {}
+
+
+def read_positions(path: Path) -> tuple[Any, list[Problem], str]:
+    """(ruamel mapping or None, problems, parseable text) of one YAML file, cached by mtime."""
+    try:
+        st = path.stat()
+        key = (str(path), st.st_mtime_ns, st.st_size)
+    except OSError:
+        key = None
+    if key is not None and key in _DOCS:
+        return _DOCS[key]
+    try:
+        text = yamlio.read_text(path)
+    except yamlio.YamlError as e:
+        line = e.line
+        try:
+            raw = path.read_bytes()
+            if line is None and b"\x00" in raw:
+                line = raw[: raw.index(b"\x00")].count(b"\n") + 1
+        except OSError:
+            pass
+        out = (None, [Problem("error", str(path), line or 1, None, e.reason, e.hint)], "")
+    else:
+        text, problems = scan_placeholders(text, path)
+        problems = [p for p in problems if "`???`" not in p.message]  # OmegaConf decides: see missing
+        try:
+            node = yamlio.parse(text, path)
+        except yamlio.YamlError as e:
+            problems.append(Problem("error", str(path), e.line or 1, None, e.reason, e.hint))
+            node = None
+        if node is None and not problems:
+            problems.append(Problem("error", str(path), 1, None, "empty file: expected a mapping of config keys",
+                                    "a config file is `key: value` lines at the top level"))
+        elif node is not None and not isinstance(node, dict):
+            kind = "a list" if isinstance(node, list) else f"a {type(node).__name__}"
+            problems.append(Problem("error", str(path), 1, None,
+                                    f"the top level is {kind}; expected a mapping of keys to values",
+                                    "a config file is `key: value` lines at the top level"))
+            node = None
+        out = (node, problems, text)
+    if key is not None:
+        _DOCS[key] = out
+    return out
+
+
+def header_line(path: Path) -> tuple[int | None, bool]:
+    """(line of a `# @package` header, whether Hydra reads it: only before any other comment)."""
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None, False
+    for n, line in enumerate(lines, 1):
+        s = line.strip()
+        if re.match(r"#\s*@package\b", s):
+            return n, n == 1 or all(not x.strip() for x in lines[:n - 1])
+        if s and not s.startswith("#"):
+            break
+    return None, False
+
+
+# ---------------------------------------------------------------- Hydra
+
+def _hydra(primary: Path, extra: list[Path]):
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.config_search_path import SearchPathQuery
+
+    search_path = create_config_search_path(str(primary))
+    for d in extra:  # what `--config-dir D` does in hydra.main
+        search_path.prepend(provider="command-line", path=f"file://{os.path.abspath(d)}",
+                            anchor=SearchPathQuery(provider="schema"))
+    GlobalHydra.instance().clear()
+    return Hydra.create_main_hydra2(task_name="train", config_search_path=search_path), search_path
+
+
+def hydra_compose(primary: Path, config_name: str, extra: list[Path], overrides: list[str]):
+    """(task config without its `hydra` node, defaults list, file search dirs): what the trainer's
+    @hydra.main hands its task function. Raises Hydra's exceptions."""
+    import warnings
+
+    from hydra.types import RunMode
+    from omegaconf import open_dict
+
+    import hydra._internal.config_loader_impl as loader
+
+    h, search_path = _hydra(primary, extra)
+    seen: list = []
+    original = loader.create_defaults_list
+
+    def observe(*args, **kwargs):  # the defaults list Hydra merges, kept for provenance (not changed)
+        result = original(*args, **kwargs)
+        seen.append(result)
+        return result
+
+    loader.create_defaults_list = observe
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            cfg = h.compose_config(config_name, overrides, run_mode=RunMode.RUN, from_shell=True,
+                                   with_log_configuration=False)
+    finally:
+        loader.create_defaults_list = original
+    defaults = seen[-1].defaults
+    with open_dict(cfg):
+        del cfg["hydra"]
+    dirs = [Path(e.path[len("file://"):]) for e in search_path.get_path() if e.path.startswith("file://")]
+    return cfg, defaults, dirs
+
+
+# ---------------------------------------------------------------- provenance
+
+def _walk_origins(node: Any, prefix: str, file: Path, kind: str, origins: dict[str, list[Origin]],
+                  root: bool) -> None:
+    for k, v in node.items():
+        key = str(k)
+        if root and key == "defaults":
+            continue
+        dotted = f"{prefix}.{key}" if prefix else key
+        leaf = None if isinstance(v, dict) else yamlio.to_plain(v)
+        if leaf == MISSING and origins.get(dotted):
+            continue  # OmegaConf keeps the earlier value
+        origins.setdefault(dotted, []).append(Origin(file, yamlio.key_line(node, k), leaf, kind))
+        if isinstance(v, dict):
+            _walk_origins(v, dotted, file, kind, origins, False)
+
+
+def _locate(config_path: str, dirs: list[Path]) -> Path | None:
+    for d in dirs:
+        p = d / f"{config_path}.yaml"
+        if p.is_file():
+            return p
+    return None
+
+
+def _provenance(c: Composed, defaults: list, dirs: list[Path], shadow: dict[Path, Path],
+                primary: Path | None, overrides: list[str]) -> None:
+    for d in defaults:
+        pkg = d.package or ""
+        if d.config_path is None or pkg == "hydra" or pkg.startswith("hydra.") or d.config_path.startswith("hydra/"):
+            continue
+        f = _locate(d.config_path, dirs)
+        if f is None:
+            continue
+        real = shadow.get(f, f)
+        c.merge_order.append(real)
+        if real not in c.files:
+            c.files.append(real)
+        node, _, _ = read_positions(real)
+        if isinstance(node, dict):
+            kind = "default" if primary is not None and f == primary / "config.yaml" else "file"
+            _walk_origins(node, pkg, real, kind, c.origins, True)
+    for o in overrides:
+        key, _, value = o.lstrip("+~").partition("=")
+        c.origins.setdefault(key, []).append(Origin(None, None, value, "override"))
+
+
+# ---------------------------------------------------------------- resolving leaf by leaf
+
+def _resolve(c: Composed, cfg) -> None:
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+    from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+    raw = OmegaConf.to_container(cfg, resolve=False)
+    keys = _dotted_keys(raw)
+
+    def walk(node, raw_node, prefix: str):
+        items = node.items_ex(resolve=False) if isinstance(node, DictConfig) else None
+        out: Any = {} if isinstance(node, DictConfig) else []
+        pairs = [(k, k) for k, _ in items] if items is not None else list(enumerate(range(len(node))))
+        for k, _ in pairs:
+            dotted = f"{prefix}.{k}" if prefix else str(k)
+            r = raw_node[k] if raw_node is not None else None
+            if isinstance(r, str) and "${" in r:
+                c.refs[dotted] = _REF.findall(r)
+            try:
+                v = node[k]
+            except MissingMandatoryValue:
+                c.missing.append(dotted)
+                v = MISSING
+            except OmegaConfBaseException as e:
+                c.problems.append(_interp_problem(c, dotted, r, e, keys))
+                v = r
+            if isinstance(v, (DictConfig, ListConfig)):
+                v = walk(v, r if isinstance(r, (dict, list)) else None, dotted)
+            if isinstance(out, dict):
+                out[str(k)] = v
+            else:
+                out.append(v)
+        return out
+
+    c.data = walk(cfg, raw, "")
+
+
+def _dotted_keys(node: Any, prefix: str = "") -> list[str]:
+    out = []
+    if isinstance(node, dict):
+        for k, v in node.items():
+            d = f"{prefix}.{k}" if prefix else str(k)
+            out.append(d)
+            out += _dotted_keys(v, d)
+    return out
+
+
+def _interp_problem(c: Composed, dotted: str, raw: Any, e: Exception, keys: list[str]) -> Problem:
+    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+    m = re.search(r"Interpolation key '([^']+)' not found", msg)
+    if m:
+        close = S.did_you_mean(m.group(1), keys)
+        hint = f"did you mean `${{{close}}}`?" if close else f"set `{m.group(1)}`, or change the reference"
+        return c.problem("error", dotted, f"{dotted}: {raw} refers to `{m.group(1)}`, which is not set", hint)
+    return c.problem("error", dotted, f"{dotted}: {raw} cannot be resolved ({msg})",
+                     "fix the ${...} expression (OmegaConf's syntax: ${key}, ${oc.env:VAR,default}, ...)")
+
+
+# ---------------------------------------------------------------- Hydra's errors as problems
+
+def _defaults_entry(path: Path, needle: str) -> int | None:
+    """Line of the first defaults entry of `path` whose text holds `needle`."""
+    node, _, _ = read_positions(path)
+    items = node.get("defaults") if isinstance(node, dict) else None
+    if not isinstance(items, list):
+        return None
+    for i, item in enumerate(items):
+        text = repr(yamlio.to_plain(item))
+        if needle in text:
+            try:
+                return items.lc.item(i)[0] + 1
+            except (AttributeError, KeyError, TypeError):
+                return yamlio.key_line(node, "defaults")
+    return yamlio.key_line(node, "defaults")
+
+
+def _hydra_problem(c: Composed, e: Exception, files: dict[str, Path], dirs: list[Path]) -> Problem:
+    text = str(e)
+    first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+    stage = c.path
+    m = re.search(r"In '([^']+)': Could not find '([^']+)'", text) or re.search(r"Could not find '([^']+)'", text)
+    if m:
+        parent = files.get(m.group(1), stage) if m.re.groups == 2 else stage
+        missing = m.group(m.re.groups)
+        group, _, name = missing.rpartition("/")
+        opts = re.search(r"Available options in '[^']+':\n((?:\t.*\n?)*)", text)
+        options = [o.strip() for o in opts.group(1).splitlines()] if opts else []
+        line = _defaults_entry(parent, name or missing)
+        searched = [str(d / group) for d in dirs if (d / group).is_dir()] or [str(d / group) for d in dirs[-1:]]
+        if group.startswith("exp/") and parent == stage:
+            hint = (f"write `- /{group[4:]}@...: {name}`: without the leading `/` Hydra looks in "
+                    f"{group}/, next to the stage file")
+        elif S.did_you_mean(name, options):
+            hint = f"did you mean `{S.did_you_mean(name, options)}`?"
+        elif options:
+            hint = "available: " + ", ".join(options[:12])
+        else:
+            hint = "create the file, or fix the name in `defaults`"
+        where = f" (searched: {', '.join(searched)})" if searched else ""
+        return Problem("error", str(parent), line, "defaults", f"defaults: no config `{missing}.yaml`{where}", hint)
+    m = re.search(r"Could not override '([^']+)'\. No match in the defaults list", text)
+    if m:
+        return Problem("error", str(stage), _defaults_entry(stage, f"override {m.group(1)}") or
+                       _defaults_entry(stage, m.group(1)), "defaults",
+                       f"defaults: `override {m.group(1)}` has nothing to override",
+                       f"remove `override `: no earlier defaults entry chooses {m.group(1)}")
+    m = re.search(r"Multiple values for ([^\s.]+)", text)
+    if m:
+        return Problem("error", str(stage), _defaults_entry(stage, m.group(1).split("@")[0]), "defaults",
+                       f"defaults: {m.group(1)} is listed twice",
+                       f"keep one entry, or write the second as `- override /{m.group(1)}: NAME`")
+    m = re.search(r"Could not override '([^']+)'\.\s*\nTo append to your config use \+", text)
+    if m:
+        return Problem("error", str(stage), None, m.group(1),
+                       f"override `{m.group(1)}=...`: no such key in the config",
+                       _override_hint(m.group(1), c))
+    if "Error parsing override" in text or "mismatched input" in text or "no viable alternative" in text:
+        return Problem("error", str(stage), None, None, f"bad override: {first}",
+                       "write overrides as key=value (Hydra's override syntax)")
+    return Problem("error", str(stage), 1, None, f"Hydra cannot compose this stage: {first}",
+                   "fix the file Hydra names; `python -m longspec.train --config-dir CONF +exp=STAGE --cfg job` "
+                   "shows the same error")
+
+
+def _override_hint(key: str, c: Composed) -> str:
+    from longspec_cli.core.schema import LONGSPEC_SPEC
+
+    close = S.did_you_mean(key, [k for k in LONGSPEC_SPEC if k not in ("defaults", "hydra")])
+    return f"did you mean `{close}`?" if close else f"use `+{key}=...` to add a new key (the trainer refuses unknown keys)"
+
+
+# ---------------------------------------------------------------- shadow tree for placeholders
+
+def _shadow(conf: Path) -> tuple[Path, dict[Path, Path]]:
+    """A copy of `conf` with `[Your Directory]`-style placeholders made parseable (as scan_placeholders
+    does), so Hydra can compose a file that still holds them; maps copies back to the originals."""
+    tmp = Path(tempfile.mkdtemp(prefix="longspec-conf-"))
+    back: dict[Path, Path] = {}
+    for src in conf.rglob("*.yaml"):
+        dst = tmp / src.relative_to(conf)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        _, _, text = read_positions(src)
+        dst.write_text(text if text else "", encoding="utf-8")
+        back[dst] = src
+    return tmp, back
+
+
+def _needs_shadow(conf: Path) -> bool:
+    for p in conf.rglob("*.yaml"):
+        _, _, text = read_positions(p)
+        if "__placeholder" in text:
+            return True
+    return False
+
+
+# ---------------------------------------------------------------- entry point
+
+def compose_stage(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Composed:
+    """Compose the stage file at `path` as the trainer would (upstream files as the reference
+    trainer would). Never raises for bad input: see Composed.problems."""
+    path = Path(path)
+    overrides = list(overrides)
+    node, problems, _ = read_positions(path)
+    c = Composed(path=path, ok=False, data={}, origins={}, refs={}, files=[path], problems=list(problems))
+    if node is None:
+        return c
+    raw = yamlio.to_plain(node)
+    d = S.dialect_of(raw)
+    c.dialect = d if d != S.DEEPSPEED and d != S.HYDRA else d
+    if d in (S.DEEPSPEED, S.HYDRA):  # a fragment on its own: its ${...} belong to the stage that lists it
+        c.ok, c.data = True, raw
+        _walk_origins(node, "", path, "file", c.origins, True)
+        return c
+    loc = stage_location(path)
+    if d == S.UPSTREAM:
+        conf = loc[0] if loc else path.parent
+        primary, name, extra, trainer = path.parent, path.stem, [conf], None
+    elif loc is None:
+        c.ok, c.data = True, raw
+        _walk_origins(node, "", path, "file", c.origins, True)
+        c.problems.append(Problem("warning", str(path), None, None,
+                                  f"{path.name} is not inside a conf/exp/ folder: the trainer cannot read it "
+                                  "(checked on its own, without the trainer's defaults)",
+                                  "put it at CONF/exp/NAME.yaml and run --config-dir CONF +exp=NAME"))
+        return c
+    else:
+        conf, name = loc
+        trainer = trainer_conf_dir()
+        primary, extra = trainer, [conf]
+        overrides = [f"+exp={name}"] + overrides
+    tmp = None
+    shadow: dict[Path, Path] = {}
+    if _needs_shadow(conf):
+        tmp, shadow = _shadow(conf)
+        rel = path.resolve().parent.relative_to(conf.resolve()) if d == S.UPSTREAM else None
+        extra = [tmp]
+        if d == S.UPSTREAM:
+            primary = tmp / rel
+    try:
+        cfg, defaults, dirs = hydra_compose(primary, "config" if trainer else name, extra, overrides)
+    except Exception as e:  # Hydra's errors are the user's problems here
+        files = {}
+        if loc:
+            files[f"exp/{loc[1]}"] = path
+        dirs = [conf / Path(d).relative_to(tmp) if tmp is not None and Path(d).is_relative_to(tmp) else d
+                for d in [primary, *extra]]
+        c.problems.append(_hydra_problem(c, e, files, [d for d in dirs if d != trainer]))
+        c.data = raw
+        return c
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    c.ok = True
+    _provenance(c, defaults, dirs, shadow, trainer, [o for o in overrides if not o.startswith("+exp=")])
+    _resolve(c, cfg)
+    if isinstance(c.data.get("exp"), dict) and d == S.LONGSPEC:
+        _header_problem(c)
+    _missing_problems(c)
+    return c
+
+
+def _header_problem(c: Composed) -> None:
+    line, read = header_line(c.path)
+    if line is not None:
+        msg = (f"the stage is merged under `exp.`: its `# @package` header is on line {line}, after another "
+               "comment, so Hydra does not read it; the trainer sees `???` for the target and the data")
+    else:
+        msg = ("the stage is merged under `exp.`: it has no `# @package _global_` header; the trainer sees "
+               "`???` for the target and the data")
+    c.problems.append(Problem("error", str(c.path), line or 1, None, msg,
+                              HEADER_HINT if line else f"add `{HEADER}` as the first line"))
+    c.data.pop("exp", None)
+
+
+def _missing_problems(c: Composed) -> None:
+    header = any(p.message.startswith("the stage is merged under `exp.`") for p in c.problems)
+    for key in c.missing:
+        if key.startswith("exp."):
+            continue
+        hits = [o for o in c.origins.get(key, []) if o.kind == "file" and o.value == MISSING]
+        o = hits[-1] if hits else None
+        hint = (HEADER_HINT if header else "replace the placeholder with your path" if o else
+                f"set `{key}: ...` in {c.path.name}" + (" (or on the command line)" if key == "output_dir" else ""))
+        c.problems.append(Problem("error", str(o.file if o else c.path), o.line if o else None, key,
+                                  f"`{key}` must be set: it is `???`"
+                                  + ("" if o else " (the trainer's default)"), hint))
+
+
+def is_placeholder(value: Any) -> bool:
+    return has_placeholder(value)
