@@ -6,7 +6,7 @@
 
 Hydra composes longspec/conf/config.yaml (every key and its default), then DIR/conf/exp/STAGE.yaml
 (`# @package _global_`, defaults [/deepspeed@ds_cfg: NAME, _self_]), then the overrides. Run from a
-project folder, `--config-dir` may be left out (conf/ is on the search path). The launcher's
+project folder, `--config-dir` may be left out (`--config-dir conf` is implied). The launcher's
 `--local_rank=N` is taken off the command line before Hydra sees it (LOCAL_RANK is set instead);
 a plain `python -m longspec.train` runs as a single rank.
 
@@ -677,19 +677,31 @@ def _error_event(cfg, message: str) -> None:
 
 
 def main() -> None:
-    sys.argv = [sys.argv[0]] + take_local_rank(sys.argv[1:])
+    sys.argv = [sys.argv[0]] + implied_config_dir(take_local_rank(sys.argv[1:]))
     single_process_env()
     _hydra_entry()
 
 
-def _make_hydra_entry():
+def implied_config_dir(argv: list[str]) -> list[str]:
+    """Run from a project folder, `--config-dir conf` may be left out. (Not a `hydra.searchpath`
+    entry in config.yaml: Hydra warns on every launch from a folder without conf/.)"""
+    given = any(a in ("--config-dir", "-cd") or a.startswith(("--config-dir=", "-cd=")) for a in argv)
+    return argv if given or not Path("conf").is_dir() else ["--config-dir", "conf", *argv]
+
+
+# The primary config, as an absolute path: the same whether run as a module, a script or imported.
+# The front end (longspec_cli.core.hydracompose) composes with this same file and search path.
+HYDRA_MAIN = {"config_path": str(Path(__file__).resolve().parent / "conf"), "config_name": "config",
+              "version_base": None}
+
+
+def _make_hydra_entry(task=None):
+    """The trainer's @hydra.main entry; `task(cfg)` replaces the training (tests compose with it)."""
     import hydra
 
-    # An absolute path: the same config whether run as a module, a script or imported.
-    @hydra.main(config_path=str(Path(__file__).resolve().parent / "conf"), config_name="config",
-                version_base=None)
+    @hydra.main(**HYDRA_MAIN)
     def entry(cfg) -> None:
-        code = guarded(cfg)
+        code = guarded(cfg) if task is None else task(cfg)
         sys.stdout.flush()
         sys.stderr.flush()
         if code:

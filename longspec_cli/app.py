@@ -31,6 +31,7 @@ app = typer.Typer(
 COMMANDS = (
     "init",
     "validate",
+    "config",
     "status",
     "next_stage",
     "run",

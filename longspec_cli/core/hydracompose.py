@@ -232,7 +232,8 @@ def hydra_compose(primary: Path, config_name: str, extra: list[Path], overrides:
     defaults = seen[-1].defaults
     with open_dict(cfg):
         del cfg["hydra"]
-    dirs = [Path(e.path[len("file://"):]) for e in search_path.get_path() if e.path.startswith("file://")]
+    dirs = [Path(e.path[len("file://"):] if e.path.startswith("file://") else e.path)
+            for e in search_path.get_path() if e.path.startswith(("file://", "/"))]
     return cfg, defaults, dirs
 
 
@@ -396,11 +397,11 @@ def _hydra_problem(c: Composed, e: Exception, files: dict[str, Path], dirs: list
                        f"keep one entry, or write the second as `- override /{m.group(1)}: NAME`")
     m = re.search(r"Could not override '([^']+)'\.\s*\nTo append to your config use \+", text)
     if m:
-        return Problem("error", str(stage), None, m.group(1),
+        return Problem("error", None, None, m.group(1),
                        f"override `{m.group(1)}=...`: no such key in the config",
                        _override_hint(m.group(1), c))
     if "Error parsing override" in text or "mismatched input" in text or "no viable alternative" in text:
-        return Problem("error", str(stage), None, None, f"bad override: {first}",
+        return Problem("error", None, None, None, f"bad override: {first}",
                        "write overrides as key=value (Hydra's override syntax)")
     return Problem("error", str(stage), 1, None, f"Hydra cannot compose this stage: {first}",
                    "fix the file Hydra names; `python -m longspec.train --config-dir CONF +exp=STAGE --cfg job` "
@@ -483,6 +484,7 @@ def compose_stage(path: str | os.PathLike, overrides: list[str] | tuple[str, ...
             primary = tmp / rel
     try:
         cfg, defaults, dirs = hydra_compose(primary, "config" if trainer else name, extra, overrides)
+        _provenance(c, defaults, dirs, shadow, trainer, [o for o in overrides if not o.startswith("+exp=")])
     except Exception as e:  # Hydra's errors are the user's problems here
         files = {}
         if loc:
@@ -496,7 +498,6 @@ def compose_stage(path: str | os.PathLike, overrides: list[str] | tuple[str, ...
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     c.ok = True
-    _provenance(c, defaults, dirs, shadow, trainer, [o for o in overrides if not o.startswith("+exp=")])
     _resolve(c, cfg)
     if isinstance(c.data.get("exp"), dict) and d == S.LONGSPEC:
         _header_problem(c)
@@ -533,3 +534,26 @@ def _missing_problems(c: Composed) -> None:
 
 def is_placeholder(value: Any) -> bool:
     return has_placeholder(value)
+
+
+# ---------------------------------------------------------------- `longspec config`
+
+def leaf_origins(c: Composed) -> dict[str, str]:
+    """dotted leaf key -> where it was set: `file:line`, `trainer default (file:line)` or `override`."""
+    out: dict[str, str] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        for k, v in node.items():
+            dotted = f"{prefix}.{k}" if prefix else str(k)
+            if isinstance(v, dict) and v:
+                walk(v, dotted)
+            else:
+                out[dotted] = c.origin(dotted).describe()
+
+    walk(c.data, "")
+    return out
+
+
+def stage_overrides(output_dir: Path | None, overrides: list[str]) -> list[str]:
+    """The overrides `longspec run` passes the trainer for a project stage, in its order."""
+    return ([f"output_dir={Path(output_dir).resolve()}"] if output_dir is not None else []) + list(overrides)

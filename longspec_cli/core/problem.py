@@ -16,6 +16,8 @@ class Problem:
     hint: str | None = None
 
     def where(self) -> str:
+        if self.file is None:
+            return "command line"
         return f"{self.file}:{self.line}" if self.line else str(self.file)
 
     def to_json(self) -> dict[str, Any]:

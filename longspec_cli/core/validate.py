@@ -28,7 +28,7 @@ from longspec_cli.core.checks_stage import (check_batch, check_duplicates, check
                                             check_required, check_seq_len, check_types, check_unknown_keys,
                                             check_zero, global_batch, zero_stage)
 from longspec_cli.core.checks_target import check_target_family
-from longspec_cli.core.hydracompose import Composed, compose_stage
+from longspec_cli.core.hydracompose import Composed, compose_stage, stage_overrides
 from longspec_cli.core.problem import Problem
 from longspec_cli.errors import LongspecError, UsageError
 
@@ -102,10 +102,11 @@ def _check_fragment(c: Composed, d: str, ctx: Context, problems: list[Problem]) 
                                                "config that lists it in `defaults`")]
 
 
-def validate_file(path: Path, world_size: int | None = None, cache: dict | None = None) -> Report:
+def validate_file(path: Path, world_size: int | None = None, cache: dict | None = None,
+                  overrides: list[str] = ()) -> Report:
     world, src = (world_size, "--world-size") if world_size else (DEFAULT_WORLD, "default")
     ctx = Context(base_dir=Path.cwd(), world=world, world_from=src)
-    c = compose_stage(path)
+    c = compose_stage(path, list(overrides))
     problems, summary = _check_file(c, ctx)
     rep = Report(files=[summary])
     rep.add(problems)
@@ -115,7 +116,7 @@ def validate_file(path: Path, world_size: int | None = None, cache: dict | None 
 # ---------------------------------------------------------------- projects
 
 def validate_project(root: Path, world_size: int | None = None, cache: dict | None = None,
-                     only: Path | None = None) -> Report:
+                     only: Path | None = None, overrides: list[str] = ()) -> Report:
     """Every stage of the project at `root` (only the stage whose config is `only`, if given)."""
     from longspec_cli.core.manifest import load_manifest
 
@@ -141,7 +142,7 @@ def validate_project(root: Path, world_size: int | None = None, cache: dict | No
             continue
         ctx = Context(base_dir=m.root, world=world, world_from=src, manifest=m, stage=st,
                       earlier={s.output_dir: s.name for s in m.stages[:i]})
-        c = compose_stage(st.config, [f"output_dir={st.output_dir}"])
+        c = compose_stage(st.config, stage_overrides(st.output_dir, list(overrides)))
         file_problems, summary = _check_file(c, ctx)
         problems += file_problems + (stage_in_project(c, st, m, ctx) if c.ok else [])
         rep.files.append(summary)
@@ -166,8 +167,10 @@ def _stage_files(folder: Path) -> list[Path]:
     return []
 
 
-def validate_paths(paths: list[str | os.PathLike], world_size: int | None = None) -> Report:
-    """Validate every PATH; UsageError (exit 2) for a path that does not exist."""
+def validate_paths(paths: list[str | os.PathLike], world_size: int | None = None,
+                   overrides: list[str] = ()) -> Report:
+    """Validate every PATH (each stage composed with `overrides`, as `run` passes them to the trainer);
+    UsageError (exit 2) for a path that does not exist."""
     if world_size is not None and world_size < 1:
         raise UsageError(f"--world-size must be at least 1, got {world_size}")
     items = [Path(p) for p in paths]
@@ -180,7 +183,7 @@ def validate_paths(paths: list[str | os.PathLike], world_size: int | None = None
     for p in items:
         if p.is_dir():
             if (p / "longspec.yaml").is_file():
-                sub = validate_project(p, world_size, cache)
+                sub = validate_project(p, world_size, cache, overrides=overrides)
             else:
                 files = _stage_files(p)
                 if not files:
@@ -188,16 +191,16 @@ def validate_paths(paths: list[str | os.PathLike], world_size: int | None = None
                                      hint="give a project folder made by `longspec init`, or a stage YAML")
                 sub = Report()
                 for f in files:
-                    _merge_reports(sub, validate_file(f, world_size, cache))
+                    _merge_reports(sub, validate_file(f, world_size, cache, overrides))
         elif p.name == "longspec.yaml":
-            sub = validate_project(p.parent, world_size, cache)
+            sub = validate_project(p.parent, world_size, cache, overrides=overrides)
         else:
-            sub = _validate_stage_file(p, world_size, cache)
+            sub = _validate_stage_file(p, world_size, cache, overrides)
         _merge_reports(rep, sub)
     return rep
 
 
-def _validate_stage_file(p: Path, world_size: int | None, cache: dict) -> Report:
+def _validate_stage_file(p: Path, world_size: int | None, cache: dict, overrides: list[str] = ()) -> Report:
     project = _project_of(p)
     if project is not None:
         try:
@@ -207,8 +210,8 @@ def _validate_stage_file(p: Path, world_size: int | None, cache: dict) -> Report
         except LongspecError:
             listed = False
         if listed:
-            return validate_project(project, world_size, cache, only=p)
-    return validate_file(p, world_size, cache)
+            return validate_project(project, world_size, cache, only=p, overrides=overrides)
+    return validate_file(p, world_size, cache, overrides)
 
 
 def _merge_reports(into: Report, other: Report) -> None:

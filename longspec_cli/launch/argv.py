@@ -29,7 +29,9 @@ TRAINER_MODULE = "longspec.train"
 DEFAULT_MASTER_PORT = 29500  # DeepSpeed's own default (TORCH_DISTRIBUTED_DEFAULT_PORT)
 INSTALL_HINT = "install the training extra: pip install 'longspec[train]'"
 # Keys that the launcher sets itself; an override of them would silently move the run folder.
-RESERVED_KEYS = {"output_dir": "the run folder comes from longspec.yaml (stages[].output_dir)"}
+RESERVED_KEYS = {"output_dir": "the run folder comes from longspec.yaml (stages[].output_dir)",
+                 "draft_model_name_or_path": "the chain owns the draft: `longspec next-stage` sets it in the stage "
+                                             "file from the upstream stage's final draft"}
 
 
 @dataclass(frozen=True)
@@ -309,57 +311,31 @@ def build_launch(p: Placement, r: Resources, conf_dir: Path, stage: str, output_
 
 # ------------------------------------------------------------------------------- overrides
 
-_KEY = re.compile(r"^(\+\+|\+|~)?[A-Za-z_][\w\-]*(\.[\w\-]+)*(/[\w\-]+)*(@[\w.\-/]+)?$")
-_PAIRS = {"[": "]", "{": "}", "(": ")"}
+def check_overrides(overrides: list[str]) -> list[str]:
+    """Refuse (exit 2) what Hydra's own override parser rejects, and the keys longspec owns, before
+    anything starts; returns them unchanged. Whether a key exists and its value fits is decided by
+    composing the stage with them (launch.pipeline's preflight)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
 
-
-def _balanced(value: str) -> bool:
-    stack: list[str] = []
-    quote: str | None = None
-    escaped = False
-    for ch in value:
-        if escaped:
-            escaped = False
-        elif ch == "\\":
-            escaped = True
-        elif quote:
-            if ch == quote:
-                quote = None
-        elif ch in ("'", '"'):
-            quote = ch
-        elif ch in _PAIRS:
-            stack.append(_PAIRS[ch])
-        elif ch in _PAIRS.values():
-            if not stack or stack.pop() != ch:
-                return False
-    return quote is None and not stack
-
-
-def check_overrides(overrides: list[str], known_top_level: set[str] | None = None) -> list[str]:
-    """Refuse (exit 2) what Hydra would reject, before anything starts; returns them unchanged.
-
-    known_top_level: the stage config's top-level keys (schema); `+key=...` may add new keys.
-    """
+    parser = OverridesParser.create()
     bad: list[str] = []
     for item in overrides:
-        key, eq, value = item.partition("=")
-        if not eq and not key.startswith("~"):
-            bad.append(f"{item!r}: no '=' (overrides are key=value)")
-        elif not _KEY.match(key):
-            bad.append(f"{item!r}: {key!r} is not a config key")
-        elif not _balanced(value):
-            bad.append(f"{item!r}: unbalanced quotes or brackets in the value")
-        else:
-            bare = key.lstrip("+~").split("@")[0]
-            top = bare.split(".")[0].split("/")[0]
-            if bare in RESERVED_KEYS:
-                bad.append(f"{item!r}: {RESERVED_KEYS[bare]}")
-            elif (known_top_level is not None and not key.startswith(("+", "~")) and top != "hydra"
-                  and top not in known_top_level):
-                import difflib
-
-                close = difflib.get_close_matches(top, sorted(known_top_level), n=1)
-                bad.append(f"{item!r}: unknown key {top!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        try:
+            parsed = parser.parse_override(item)
+        except HydraException as e:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else "not an override"
+            if "=" not in item and not item.startswith("~"):
+                reason = "no '=' (overrides are key=value)"
+            bad.append(f"{item!r}: {reason}")
+            continue
+        bare = parsed.key_or_group.split("@")[0]
+        if not bare:
+            bad.append(f"{item!r}: no key before '='")
+        elif bare in RESERVED_KEYS:
+            bad.append(f"{item!r}: {RESERVED_KEYS[bare]}")
+        elif parsed.is_sweep_override():
+            bad.append(f"{item!r}: a sweep (several values); longspec runs one config per stage")
     if bad:
         raise UsageError("bad override(s): " + "; ".join(bad),
                          hint="write overrides as key=value with a key of the stage config, "

@@ -29,7 +29,6 @@ from longspec_cli.errors import INTERRUPTED, LongspecError, RefusedError, RunFai
 from longspec_cli.launch import argv as A
 from longspec_cli.launch import memory as M
 
-TRAINER_ONLY_KEYS = {"force"}  # in longspec/conf/config.yaml but not in a stage file's schema
 
 
 @dataclass
@@ -104,15 +103,13 @@ GATE_FAILED = "gate failed"
 
 def exp_location(spec: StageSpec) -> tuple[Path, str]:
     """(conf dir, exp name) for `--config-dir CONF +exp=NAME`: the config must be CONF/exp/NAME.yaml."""
-    cfg = spec.config
-    parts = cfg.parent.parts
-    if "exp" not in parts:
-        raise UsageError(f"stage {spec.name}: {cfg} is not inside a conf/exp/ folder",
+    from longspec_cli.core.hydracompose import stage_location
+
+    loc = stage_location(spec.config)
+    if loc is None:
+        raise UsageError(f"stage {spec.name}: {spec.config} is not inside a conf/exp/ folder",
                          hint="Hydra reads a stage as --config-dir CONF +exp=NAME from CONF/exp/NAME.yaml")
-    i = len(parts) - 1 - parts[::-1].index("exp")
-    conf = Path(*parts[:i])
-    name = "/".join(parts[i + 1:] + (cfg.stem,))
-    return conf, name
+    return loc
 
 
 _COMPOSED: dict[tuple, Any] = {}
@@ -140,13 +137,22 @@ def file_state(path: Path) -> tuple | None:
     return st.st_mtime_ns, st.st_size, st.st_ino
 
 
-def known_top_level(spec: StageSpec) -> set[str] | None:
-    from longspec_cli.core import schema
+def check_overrides(spec: StageSpec, overrides: list[str]) -> None:
+    """Hydra's override parser, then the stage composed with the overrides, as the trainer will:
+    an override Hydra refuses (a key that is not there, a typo) is a usage error (exit 2) here,
+    before anything starts. Values that do not fit (save_steps=0) are validation errors."""
+    from longspec_cli.core.hydracompose import stage_overrides
 
-    c = composed(spec.config)
-    if not c.ok:
-        return None
-    return set(schema.SPECS[schema.dialect_of(c.data)]) | TRAINER_ONLY_KEYS
+    A.check_overrides(overrides)
+    if not overrides or not spec.config.is_file():
+        return
+    c = composed(spec.config, tuple(stage_overrides(spec.output_dir, overrides)))
+    bad = [p for p in c.problems if p.file is None]  # what Hydra refused about the command line
+    if bad:
+        raise UsageError("bad override(s): " + "; ".join(p.message + (f" ({p.hint})" if p.hint else "")
+                                                         for p in bad),
+                         hint="overrides are key=value with a key of the stage config (`longspec config "
+                              "DIR STAGE` lists them); `+key=value` adds a key")
 
 
 def fingerprint_now(spec: StageSpec, overrides: list[str]) -> str | None:
@@ -240,8 +246,7 @@ def validation_problems(manifest: Manifest, plans: list[StagePlan], world: int,
                         only: StagePlan | None = None, overrides: list[str] = ()) -> list[Any]:
     """Errors and warnings for the stages that will run (the manifest's own included).
 
-    validate reads the files only: a problem about a key the command line overrides is dropped
-    (the trainer checks the value it is given).
+    Each stage is composed with the command line's overrides, as the trainer will compose it.
     """
     from longspec_cli.core.validate import validate_paths
 
@@ -250,15 +255,12 @@ def validation_problems(manifest: Manifest, plans: list[StagePlan], world: int,
     # Stages whose upstream runs first get their draft key from the chain: ignore it until then.
     chained_later = set() if only else {str(p.spec.config) for p in targets
                                         if p.spec.draft_from in {q.spec.name for q in targets}}
-    rep = validate_paths([manifest.root], world_size=world)
-    overridden = {o.lstrip("+~").split("=", 1)[0] for o in overrides}
+    rep = validate_paths([manifest.root], world_size=world, overrides=list(overrides))
     out = []
     for prob in rep.problems:
-        if prob.file not in configs and prob.file != str(manifest.path):
+        if prob.file is not None and prob.file not in configs and prob.file != str(manifest.path):
             continue
         if prob.file in chained_later and prob.key == "draft_model_name_or_path":
-            continue
-        if prob.key and any(prob.key == k or prob.key.startswith(k + ".") for k in overridden):
             continue
         out.append(prob)
     return out
@@ -266,17 +268,14 @@ def validation_problems(manifest: Manifest, plans: list[StagePlan], world: int,
 
 def stage_shape(manifest: Manifest, spec: StageSpec, overrides: list[str], res: A.Resources) -> M.StageShape | None:
     """The memory-estimate inputs of a stage, from its composed config + overrides; None if unknown."""
-    import copy
-
     from longspec_cli.core import presets
 
-    c = composed(spec.config)
+    from longspec_cli.core.hydracompose import stage_overrides
+
+    c = composed(spec.config, tuple(stage_overrides(spec.output_dir, overrides)))
     if not c.ok:
         return None
-    data = copy.deepcopy(c.data)
-    for item in overrides:  # the few keys the estimate reads, as Hydra would set them
-        key, _, value = item.lstrip("+").partition("=")
-        _set_dotted(data, key, _yaml_scalar(value))
+    data = c.data
     size = None
     target = data.get("model_name_or_path")
     if isinstance(target, str) and (Path(target) / "config.json").is_file():
@@ -313,25 +312,6 @@ def _count(v: Any, default: int) -> int:
         return int(float(v))
     except (TypeError, ValueError):
         return default
-
-
-def _set_dotted(d: dict, key: str, value: Any) -> None:
-    parts = key.split(".")
-    for part in parts[:-1]:
-        if not isinstance(d.get(part), dict):
-            d[part] = {}
-        d = d[part]
-    d[parts[-1]] = value
-
-
-def _yaml_scalar(text: str) -> Any:
-    from longspec_cli.core import yamlio
-
-    try:
-        data = yamlio.parse(f"v: {text}\n")
-        return yamlio.to_plain(data.get("v")) if isinstance(data, dict) else text
-    except LongspecError:
-        return text
 
 
 def memory_report(manifest: Manifest, spec: StageSpec, overrides: list[str], res: A.Resources,
@@ -387,7 +367,7 @@ def prepare(req: RunRequest, console: Console) -> tuple[Manifest, list[StagePlan
     check_gate(req.gate)
     manifest = load_manifest(req.project)
     first = manifest.stage(req.stage) if req.stage else manifest.stages[0]
-    A.check_overrides(req.overrides, known_top_level(first) if first.config.is_file() else None)
+    check_overrides(first, req.overrides)
     placement = resolve_placement(manifest, req.placement)
     res = A.resolve_resources(placement, A.detect_gpus(), manifest.launch.gpus, force=req.force)
     plans = plan_stages(manifest, req)

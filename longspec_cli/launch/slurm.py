@@ -108,7 +108,7 @@ def write_slurm(req, *, submit: bool, out=None) -> Path:
 
     manifest = load_manifest(req.project)
     first = manifest.stage(req.stage) if req.stage else manifest.stages[0]
-    A.check_overrides(req.overrides, pipeline.known_top_level(first) if first.config.is_file() else None)
+    pipeline.check_overrides(first, req.overrides)
     p = req.placement
     if p.hostfile is not None or p.include:
         raise UsageError("--slurm takes its hosts from the allocation; drop --hostfile/--include",

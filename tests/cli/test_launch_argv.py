@@ -231,25 +231,23 @@ def test_sbatch_script(tmp_path):
 
 # ------------------------------------------------------------------------------ overrides
 
-KNOWN = {"max_steps", "learning_rate", "data", "ds_cfg", "seed", "output_dir"}
-
-
 @pytest.mark.parametrize("good", [
     "max_steps=5", "data.max_seq_length=2048", "+new_key=1", "++seed=3", "~data.train_eos",
     "hydra.run.dir=.", "learning_rate=1e-4", "ds_cfg.optimizer.params.betas=[0.9,0.95]", "seed=''",
 ])
 def test_overrides_hydra_accepts_pass(good):
-    assert A.check_overrides([good], KNOWN) == [good]
+    assert A.check_overrides([good]) == [good]
 
 
 @pytest.mark.parametrize("bad, why", [
-    ("max_steps", "no '='"), ("=5", "not a config key"), ("max steps=5", "not a config key"),
-    ("max_stepz=5", "did you mean 'max_steps'"), ("data.max_seq_length=[1,2", "unbalanced"),
-    ("output_dir=/elsewhere", "longspec.yaml"),
+    ("max_steps", "no '='"), ("=5", "no key"), ("max steps=5", "token recognition error"),
+    ("data.max_seq_length=[1,2", "no viable alternative"), ("seed=1,2", "a sweep"),
+    ("output_dir=/elsewhere", "longspec.yaml"), ("draft_model_name_or_path=/x.pth", "next-stage"),
 ])
 def test_overrides_hydra_would_reject_are_usage_errors(bad, why):
+    """Hydra's own override parser decides; the keys longspec owns are refused too."""
     with pytest.raises(UsageError) as e:
-        A.check_overrides([bad], KNOWN)
+        A.check_overrides([bad])
     assert why in e.value.message and e.value.exit_code == 2
 
 

@@ -349,8 +349,9 @@ def test_dry_run_one_and_several_gpus(tmp_path):
     assert "--num_gpus 1 --master_port 29777 --no_local_rank --module longspec.train" in res.stdout
     assert "DS_ACCELERATOR" not in res.stdout and "peak" in res.stdout
     res = cli("run", str(proj), "--all", "--dry-run", "--gpus", "4", "--master-port", "29777",
-              "global_batch_size=32", env=gpu_env(tmp_path, 8))
+              "seed=7", env=gpu_env(tmp_path, 8))
     assert res.returncode == 0, res.stderr
+    assert res.stdout.count("seed=7") == 3
     assert res.stdout.count("--num_gpus 4 --master_port 29777 --no_local_rank") == 3  # base, long, longcot
     assert "its draft is chained from base first" in res.stdout
     res = cli("run", str(proj), "base", "--dry-run", "--gpus", "2", env=gpu_env(tmp_path, 1))
@@ -359,12 +360,15 @@ def test_dry_run_one_and_several_gpus(tmp_path):
 
 def test_bad_overrides_and_stage_names_stop_before_anything_starts(tmp_path):
     proj = scaffold(tmp_path)
-    for args, words in ((("base", "max_steps"), "no '='"), (("base", "lerning_rate=1"), "did you mean 'learning_rate'"),
-                        (("bsae",), "did you mean 'base'"), (("base", "--gpus", "0"), "at least 1")):
+    for args, words, code in ((("base", "max_steps"), "no '='", 2),
+                              (("base", "lerning_rate=1"), "did you mean `learning_rate`", 2),
+                              (("base", "draft_model_name_or_path=/x.pth"), "next-stage", 2),
+                              (("bsae",), "did you mean 'base'", 2), (("base", "--gpus", "0"), "at least 1", 2),
+                              (("base", "save_steps=0"), "save_steps", 1)):  # composed with Hydra in preflight
         res = cli("run", str(proj), *args, env=cpu_env())
-        assert res.returncode == 2, (args, res.stderr)
+        assert res.returncode == code, (args, res.stderr)
         assert words in flat(res.stderr), (args, res.stderr)
-        assert "Traceback" not in res.stderr
+        assert "Traceback" not in res.stderr and "UserWarning" not in res.stderr
     assert not (proj / "runs").exists()
 
 
