@@ -349,7 +349,7 @@ def test_dry_run_one_and_several_gpus(tmp_path):
     assert "--num_gpus 1 --master_port 29777 --no_local_rank --module longspec.train" in res.stdout
     assert "DS_ACCELERATOR" not in res.stdout and "peak" in res.stdout
     res = cli("run", str(proj), "--all", "--dry-run", "--gpus", "4", "--master-port", "29777",
-              "seed=7", env=gpu_env(tmp_path, 8))
+              "global_batch_size=null", "seed=7", env=gpu_env(tmp_path, 8))
     assert res.returncode == 0, res.stderr
     assert res.stdout.count("seed=7") == 3
     assert res.stdout.count("--num_gpus 4 --master_port 29777 --no_local_rank") == 3  # base, long, longcot
