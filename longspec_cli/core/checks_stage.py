@@ -28,6 +28,8 @@ def check_unknown_keys(c: Composed, d: str, ctx: Context, specs: dict[str, S.Spe
     def walk(node: dict, specs: dict[str, S.Spec], prefix: str, in_ds: bool) -> None:
         for k, v in node.items():
             dotted = f"{prefix}{k}"
+            if not prefix and k == "exp" and c.under_exp:
+                continue  # the header problem says it
             if k in specs:
                 spec = specs[k]
                 if spec.children is not None and isinstance(v, dict):
@@ -54,7 +56,8 @@ def check_types(c: Composed, d: str, ctx: Context) -> list[Problem]:
             return  # reported by compose
         bad = S.check_value(spec, value, dotted, d)
         if bad:
-            out.append(c.problem(bad[0], dotted, bad[1], bad[2]))
+            out.append(c.problem(bad[0], dotted, bad[1], bad[2] or f"change `{dotted}` where it is set "
+                                                                   f"({where_set(c, dotted)})"))
         elif spec.children is not None and isinstance(value, dict):
             for k, v in value.items():
                 if k in spec.children:

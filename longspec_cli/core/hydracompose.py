@@ -89,6 +89,7 @@ class Composed:
     dialect: str = S.LONGSPEC
     missing: list[str] = field(default_factory=list)  # keys left `???`
     merge_order: list[Path] = field(default_factory=list)  # the defaults list's files, first merged first
+    under_exp: bool = False  # the stage landed under `exp.` (its header was not read): reported once
 
     def get(self, dotted: str, default: Any = None) -> Any:
         node: Any = self.data
@@ -307,7 +308,7 @@ def _resolve(c: Composed, cfg) -> None:
             except MissingMandatoryValue:
                 c.missing.append(dotted)
                 v = MISSING
-            except OmegaConfBaseException as e:
+            except (OmegaConfBaseException, RecursionError) as e:
                 c.problems.append(_interp_problem(c, dotted, r, e, keys))
                 v = r
             if isinstance(v, (DictConfig, ListConfig)):
@@ -515,11 +516,11 @@ def _header_problem(c: Composed) -> None:
                "`???` for the target and the data")
     c.problems.append(Problem("error", str(c.path), line or 1, None, msg,
                               HEADER_HINT if line else f"add `{HEADER}` as the first line"))
-    c.data.pop("exp", None)
+    c.under_exp = True
 
 
 def _missing_problems(c: Composed) -> None:
-    header = any(p.message.startswith("the stage is merged under `exp.`") for p in c.problems)
+    header = c.under_exp
     for key in c.missing:
         if key.startswith("exp."):
             continue
