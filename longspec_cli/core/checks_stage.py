@@ -36,6 +36,10 @@ def check_unknown_keys(c: Composed, d: str, ctx: Context, specs: dict[str, S.Spe
                     walk(v, spec.children, dotted + ".", in_ds or dotted == "ds_cfg")
                 continue
             close = S.did_you_mean(str(k), specs)
+            if not prefix and d == S.LONGSPEC and str(k) in S.UPSTREAM_TO_LONGSPEC:
+                out.append(c.problem("error", dotted, f"unknown key `{dotted}`: an upstream LongSpec key",
+                                     S.UPSTREAM_TO_LONGSPEC[str(k)]))
+                continue
             if in_ds:
                 sev = "warning"  # DeepSpeed grows keys faster than this list
             else:
@@ -66,6 +70,15 @@ def check_types(c: Composed, d: str, ctx: Context) -> list[Problem]:
     for k, v in c.data.items():
         if k in S.SPECS[d]:
             one(S.SPECS[d][k], v, k)
+    if d == S.LONGSPEC:  # an upstream key's value, checked as the longspec key it stands for
+        for up, ours in S.UPSTREAM_VALUE_OF.items():
+            spec = S.SPECS[d]
+            for part in ours.split("."):
+                spec = spec[part] if isinstance(spec, dict) else (spec.children or {}).get(part)
+            if c.has(up) and spec is not None:
+                bad = S.check_value(spec, c.get(up), up, d)
+                if bad:
+                    out.append(c.problem(bad[0], up, bad[1], f"write it as `{ours}`"))
     extra = {**S.DS_VALUES, **(S.UPSTREAM_VALUES if d == S.UPSTREAM else {})}
     for dotted, spec in extra.items():
         if c.has(dotted):

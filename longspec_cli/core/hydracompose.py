@@ -248,7 +248,7 @@ def _walk_origins(node: Any, prefix: str, file: Path, kind: str, origins: dict[s
             continue
         dotted = f"{prefix}.{key}" if prefix else key
         leaf = None if isinstance(v, dict) else yamlio.to_plain(v)
-        if leaf == MISSING and origins.get(dotted):
+        if leaf == MISSING and origins.get(dotted) and origins[dotted][-1].value != MISSING:
             continue  # OmegaConf keeps the earlier value
         origins.setdefault(dotted, []).append(Origin(file, yamlio.key_line(node, k), leaf, kind))
         if isinstance(v, dict):
@@ -345,15 +345,15 @@ def _interp_problem(c: Composed, dotted: str, raw: Any, e: Exception, keys: list
 
 # ---------------------------------------------------------------- Hydra's errors as problems
 
-def _defaults_entry(path: Path, needle: str) -> int | None:
-    """Line of the first defaults entry of `path` whose text holds `needle`."""
+def _defaults_entry(path: Path, *needles: str) -> int | None:
+    """Line of the first defaults entry of `path` whose text holds every needle (else of `defaults:`)."""
     node, _, _ = read_positions(path)
     items = node.get("defaults") if isinstance(node, dict) else None
     if not isinstance(items, list):
         return None
     for i, item in enumerate(items):
         text = repr(yamlio.to_plain(item))
-        if needle in text:
+        if all(n in text for n in needles):
             try:
                 return items.lc.item(i)[0] + 1
             except (AttributeError, KeyError, TypeError):
@@ -387,8 +387,7 @@ def _hydra_problem(c: Composed, e: Exception, files: dict[str, Path], dirs: list
         return Problem("error", str(parent), line, "defaults", f"defaults: no config `{missing}.yaml`{where}", hint)
     m = re.search(r"Could not override '([^']+)'\. No match in the defaults list", text)
     if m:
-        return Problem("error", str(stage), _defaults_entry(stage, f"override {m.group(1)}") or
-                       _defaults_entry(stage, m.group(1)), "defaults",
+        return Problem("error", str(stage), _defaults_entry(stage, "override", m.group(1)), "defaults",
                        f"defaults: `override {m.group(1)}` has nothing to override",
                        f"remove `override `: no earlier defaults entry chooses {m.group(1)}")
     m = re.search(r"Multiple values for ([^\s.]+)", text)

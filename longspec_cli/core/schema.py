@@ -239,6 +239,28 @@ UPSTREAM_VALUES = {"collator.max_seq_length": _pos_int()}
 
 SPECS = {LONGSPEC: LONGSPEC_SPEC, UPSTREAM: UPSTREAM_SPEC}
 
+# An upstream key written in a longspec file: what longspec calls it (or why it has no such key).
+UPSTREAM_TO_LONGSPEC = {
+    "collator": "longspec's keys are data.collator (short_text | long_data | long_cot) and data.max_seq_length",
+    "read_tensor": "longspec's keys are train_file (JSON or JSONL) and data.collator",
+    "model": "remove it: longspec builds the draft from the target (model_name_or_path)",
+    "model_name": "longspec's key is model_name_or_path (the target's folder)",
+    "model_path_prefix": "longspec's key is model_name_or_path (a full path)",
+    "data_path_prefix": "longspec's key is train_file (a full path)",
+    "output_path_prefix": "longspec's key is output_dir (longspec.yaml's stages[].output_dir)",
+    "exp_name": "longspec's key is output_dir (longspec.yaml's stages[].output_dir)",
+    "torch_dtype": "longspec's key is precision (bf16 | fp16 | fp32)",
+    "fp16": "longspec's key is precision (bf16 | fp16 | fp32)",
+    "fp16_bfloat16": "longspec's key is precision (bf16 | fp16 | fp32)",
+    "tokenizer_init": "remove it: longspec reads the tokenizer from model_name_or_path",
+    "resume": "remove it: a stage resumes from its newest complete checkpoint by itself",
+    "train_batch_size": "longspec's key is global_batch_size",
+    "do_eval": "remove it: `longspec eval` measures a stage",
+    "eval_steps": "remove it: `longspec eval` measures a stage",
+}
+# Upstream values that are still checked against the longspec key they stand for.
+UPSTREAM_VALUE_OF = {"collator.max_seq_length": "data.max_seq_length"}
+
 
 DEEPSPEED = "deepspeed"  # a DeepSpeed file given on its own (conf/deepspeed/*.yaml)
 HYDRA = "hydra"  # Hydra's own settings (conf/hydra/*.yaml)
@@ -248,7 +270,12 @@ _HYDRA_KEYS = {"run", "sweep", "job", "searchpath", "output_subdir", "job_loggin
                "launcher", "sweeper", "callbacks", "mode", "verbose", "help", "hydra_help", "overrides", "env"}
 
 
+_LONGSPEC_ONLY = ("precision", "data", "positions", "stage", "cross_attn_lag")
+
+
 def dialect_of(data: dict[str, Any], path: Any = None) -> str:
+    if any(k in data for k in _LONGSPEC_ONLY):  # a longspec file, even with upstream keys pasted in
+        return LONGSPEC
     model = data.get("model")
     if (isinstance(model, dict) and "_target_" in model) or "read_tensor" in data:
         return UPSTREAM

@@ -257,3 +257,71 @@ def test_deep_check_against_the_target_shapes(project, drafts):
     assert res.exit_code == 1, res.output
     assert "does not fit the target" in panel_text(res.output)
     assert _snapshot(project) == before
+
+
+# ---------------------------------------------------------------- deciding by composing (Hydra)
+
+def _include_after_self(project, value: str) -> "Path":
+    """long.yaml lists conf/common/draft.yaml after _self_: that file decides the draft key."""
+    inc = project.root / "conf" / "common" / "draft.yaml"
+    inc.parent.mkdir(parents=True, exist_ok=True)
+    inc.write_text(f"# @package _global_\n# the draft of stage long\ndraft_model_name_or_path: {value}\n")
+    cfg = project.config("long")
+    cfg.write_text(cfg.read_text().replace("  - _self_\n", "  - _self_\n  - /common: draft\n"))
+    return inc
+
+
+def test_an_edit_hydra_would_not_see_is_rolled_back_and_in_edits_the_file_that_wins(project, drafts):
+    finish_stage(project, "base", drafts["0"])
+    inc = _include_after_self(project, "null")
+    before, inc_before = _snapshot(project), inc.read_bytes()
+    res = _ns(str(project.root), "--no-deep")
+    assert res.exit_code == 1 and "Traceback" not in res.output
+    text = panel_text(res.output).replace(" ", "")
+    assert f"{inc}:3" in text and "--in" in text and "nothingchanged" in text
+    assert _snapshot(project) == before and inc.read_bytes() == inc_before  # rolled back
+    # status reads the composed value: long is not chained yet
+    st = json.loads(runner.invoke(app, ["status", str(project.root), "--json"]).stdout)
+    long = {s["name"]: s for s in st["stages"]}["long"]
+    assert long["draft_model_name_or_path"] is None
+    res = _ns(str(project.root), "--no-deep", "--in", str(inc))
+    assert res.exit_code == 0, res.output
+    assert _snapshot(project) == before  # the stage file is untouched; the include changed
+    assert load_mapping(inc).data["draft_model_name_or_path"] == str(project.weights("base"))
+    shown = json.loads(runner.invoke(app, ["config", str(project.root), "long", "--json"]).stdout)
+    assert shown["config"]["draft_model_name_or_path"] == str(project.weights("base"))
+    assert shown["origins"]["draft_model_name_or_path"] == f"{inc}:3"
+    assert "nothing to do" in _ns(str(project.root), "--no-deep").output  # picking reads the composed value
+
+
+def test_in_must_be_a_file_of_the_stage(project, drafts, tmp_path):
+    finish_stage(project, "base", drafts["0"])
+    other = tmp_path / "other.yaml"
+    other.write_text("a: 1\n")
+    res = _ns(str(project.root), "--no-deep", "--in", str(other))
+    assert res.exit_code == 2 and "not a file of long.yaml's defaults list" in panel_text(res.output)
+
+
+def test_an_interpolated_draft_key_is_replaced_only_with_force(project, drafts):
+    finish_stage(project, "base", drafts["0"])
+    project.set_draft_key("long", "${output_dir}/../elsewhere/draft_model_weights.pth")
+    before = _snapshot(project)
+    res = _ns(str(project.root), "--no-deep")
+    assert res.exit_code == 1 and "--force" in panel_text(res.output)
+    assert _snapshot(project) == before
+    res = _ns(str(project.root), "--no-deep", "--force")
+    assert res.exit_code == 0, res.output
+    assert "replaced the interpolation ${output_dir}/../elsewhere/draft_model_weights.pth (--force)" in res.output
+    assert load_mapping(project.config("long")).data["draft_model_name_or_path"] == str(project.weights("base"))
+
+
+def test_a_symlinked_config_is_edited_through_the_link(project, drafts, tmp_path):
+    finish_stage(project, "base", drafts["0"])
+    real = tmp_path / "shared-configs" / "long.yaml"
+    real.parent.mkdir()
+    project.config("long").rename(real)
+    project.config("long").symlink_to(real)
+    res = _ns(str(project.root), "--no-deep")
+    assert res.exit_code == 0, res.output
+    assert project.config("long").is_symlink()  # the link stays
+    assert load_mapping(real).data["draft_model_name_or_path"] == str(project.weights("base"))
