@@ -441,11 +441,43 @@ def _needs_shadow(conf: Path) -> bool:
 
 # ---------------------------------------------------------------- entry point
 
+_COMPOSED: dict[tuple, tuple[tuple, Composed]] = {}
+
+
+def _stamp(path: Path) -> tuple:
+    """Every YAML file that can take part in composing `path` (its conf tree, the trainer's
+    config.yaml), with a hash of its bytes: a composition is reused while this is unchanged
+    (bytes, not mtimes: two quick same-size edits can share an mtime)."""
+    import hashlib
+
+    loc = stage_location(path)
+    root = loc[0] if loc else path.parent
+    files = [path, trainer_conf_dir() / "config.yaml", *sorted(root.rglob("*.yaml"))]
+    out = []
+    for f in files:
+        try:
+            out.append((str(f), hashlib.blake2b(f.read_bytes(), digest_size=16).digest()))
+        except OSError:
+            out.append((str(f), None))
+    return tuple(out)
+
+
 def compose_stage(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Composed:
     """Compose the stage file at `path` as the trainer would (upstream files as the reference
-    trainer would). Never raises for bad input: see Composed.problems."""
-    path = Path(path)
-    overrides = list(overrides)
+    trainer would). Never raises for bad input: see Composed.problems. A process composes a stage
+    once while none of its files changes (status, next-stage and run ask several times), so the
+    result is shared: read it, do not change it."""
+    key = (os.path.abspath(path), tuple(overrides))
+    stamp = _stamp(Path(path))
+    hit = _COMPOSED.get(key)
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
+    c = _compose_stage(Path(path), list(overrides))
+    _COMPOSED[key] = (stamp, c)
+    return c
+
+
+def _compose_stage(path: Path, overrides: list[str]) -> Composed:
     node, problems, _ = read_positions(path)
     c = Composed(path=path, ok=False, data={}, origins={}, refs={}, files=[path], problems=list(problems))
     if node is None:

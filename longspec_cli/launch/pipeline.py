@@ -112,21 +112,11 @@ def exp_location(spec: StageSpec) -> tuple[Path, str]:
     return loc
 
 
-_COMPOSED: dict[tuple, Any] = {}
-
-
 def composed(path: Path, overrides: tuple[str, ...] = ()):
-    """compose_stage(path, overrides), remembered while the file is unchanged (a chain edit changes it)."""
+    """The stage as the trainer will compose it (core.hydracompose reuses it while its files are unchanged)."""
     from longspec_cli.core.hydracompose import compose_stage
 
-    try:
-        st = path.stat()
-        key = (str(path), st.st_mtime_ns, st.st_size, tuple(overrides))
-    except OSError:
-        return compose_stage(path, list(overrides))
-    if key not in _COMPOSED:
-        _COMPOSED[key] = compose_stage(path, list(overrides))
-    return _COMPOSED[key]
+    return compose_stage(path, list(overrides))
 
 
 def file_state(path: Path) -> tuple | None:
