@@ -222,3 +222,31 @@ def test_config_and_validate_agree_with_the_trainer(tmp_path, assets, monkeypatc
 def test_the_corpus_is_large_and_covers_both_outcomes():
     assert len(SHAPES) >= 30
     assert {s[4] for s in SHAPES} >= {True, False}
+
+
+def test_cfg_job_resolve_of_the_real_trainer_equals_config_and_warns_nothing(tmp_path, assets):
+    """`python -m longspec.train ... --cfg job --resolve` (a real process, no training) prints what
+    `longspec config` shows; no Hydra warning on the way, and from the project folder `--config-dir
+    conf` is implied."""
+    import os
+    import subprocess
+
+    import yaml
+
+    stage = HEAD + d("/deepspeed@ds_cfg: zero1", "_self_", "/common: draft") + BODY + "seed: 010\n"
+    proj = project(tmp_path, assets, stage, {"conf/common/draft.yaml": INCLUDE_DRAFT})
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    for cwd, args in ((outside, ["--config-dir", str(proj / "conf")]), (proj, [])):
+        proc = subprocess.run([sys.executable, "-m", "longspec.train", *args, "+exp=s", out_dir(proj), "max_steps=3",
+                               "--cfg", "job", "--resolve"], capture_output=True, text=True, cwd=cwd, env=env,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert "Warning" not in proc.stderr, proc.stderr
+        printed = yaml.safe_load(proc.stdout)
+        res = runner.invoke(app, ["config", str(proj / "conf" / "exp" / "s.yaml"), out_dir(proj), "max_steps=3",
+                                  "--json"])
+        assert json.loads(res.stdout)["config"] == printed
+        assert printed["seed"] == 8 and printed["draft_model_name_or_path"].endswith("other.pth")
