@@ -31,7 +31,7 @@ from typing import Any
 
 from longspec_cli.core import schema as S
 from longspec_cli.core import yamlio
-from longspec_cli.core.placeholders import has_placeholder, scan_placeholders, show_placeholders
+from longspec_cli.core.placeholders import scan_placeholders, show_placeholders
 from longspec_cli.core.problem import Problem
 
 HEADER = "# @package _global_"
@@ -484,7 +484,7 @@ def _compose_stage(path: Path, overrides: list[str]) -> Composed:
         return c
     raw = yamlio.to_plain(node)
     d = S.dialect_of(raw)
-    c.dialect = d if d != S.DEEPSPEED and d != S.HYDRA else d
+    c.dialect = d
     if d in (S.DEEPSPEED, S.HYDRA):  # a fragment on its own: its ${...} belong to the stage that lists it
         c.ok, c.data = True, raw
         _walk_origins(node, "", path, "file", c.origins, True)
@@ -523,7 +523,7 @@ def _compose_stage(path: Path, overrides: list[str]) -> Composed:
             files[f"exp/{loc[1]}"] = path
         dirs = [conf / Path(d).relative_to(tmp) if tmp is not None and Path(d).is_relative_to(tmp) else d
                 for d in [primary, *extra]]
-        c.problems.append(_hydra_problem(c, e, files, [d for d in dirs if d != trainer]))
+        c.problems.append(_hydra_problem(c, e, files, [x for x in dirs if x != trainer]))
         c.data = raw
         return c
     finally:
@@ -563,9 +563,6 @@ def _missing_problems(c: Composed) -> None:
                                   f"`{key}` must be set: it is `???`"
                                   + ("" if o else " (the trainer's default)"), hint))
 
-
-def is_placeholder(value: Any) -> bool:
-    return has_placeholder(value)
 
 
 # ---------------------------------------------------------------- `longspec config`

@@ -325,3 +325,18 @@ def test_a_symlinked_config_is_edited_through_the_link(project, drafts, tmp_path
     assert res.exit_code == 0, res.output
     assert project.config("long").is_symlink()  # the link stays
     assert load_mapping(real).data["draft_model_name_or_path"] == str(project.weights("base"))
+
+
+def test_an_edit_that_does_not_compose_to_the_new_draft_is_rolled_back(project, drafts):
+    """--in a file whose `# @package` puts its keys elsewhere: the text edit works, but Hydra
+    composes the draft key unchanged, so the file is restored and nothing changes."""
+    finish_stage(project, "base", drafts["0"])
+    inc = project.root / "conf" / "common" / "misc.yaml"
+    inc.parent.mkdir(parents=True)
+    inc.write_text("# @package extras\ndraft_model_name_or_path: null\n")
+    cfg = project.config("long")
+    cfg.write_text(cfg.read_text().replace("  - _self_\n", "  - _self_\n  - /common: misc\n"))
+    before, inc_before = _snapshot(project), inc.read_bytes()
+    res = _ns(str(project.root), "--no-deep", "--in", str(inc))
+    assert res.exit_code == 1 and "nothingchanged" in panel_text(res.output).replace(" ", "")
+    assert _snapshot(project) == before and inc.read_bytes() == inc_before
