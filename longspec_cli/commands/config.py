@@ -17,9 +17,9 @@ EPILOG = """Examples:
 
   longspec config my-proj/conf/exp/base.yaml
 
-Hydra composes the stage exactly as `python -m longspec.train --config-dir DIR/conf +exp=STAGE [overrides]`
-does (the trainer's defaults in longspec/conf/config.yaml included; in a project, `output_dir` is the
-manifest's, as `longspec run` passes it) and resolves every ${...}: what `--cfg job --resolve` prints.
+Hydra composes the stage exactly as `python -m longspec.train --config-dir DIR/conf +exp=STAGE` with the
+overrides does (the trainer's defaults in longspec/conf/config.yaml included; for a stage of a project,
+`output_dir` is the manifest's, as `longspec run` passes it) and resolves every ${...}: what `--cfg job --resolve` prints.
 Each key shows where it was set: file:line, trainer default, or override.
 --json prints {"config": {...}, "origins": {"dotted.key": "file:line" | "trainer default (...)" | "override"},
 "problems": [...]}.
@@ -41,7 +41,7 @@ def config(
 
         stage, overrides = split_args(list(args or []))
         stage_file, out_dir = _stage_file(path, stage)
-        if stage is not None and out_dir is None:  # a stage file and a word that is not key=value
+        if stage is not None and not (path.is_dir() or path.name == "longspec.yaml"):  # a stage file
             raise UsageError(f"{stage!r} is not key=value", hint="with a stage file, give only overrides")
         c = H.compose_stage(stage_file, H.stage_overrides(out_dir, overrides))
         errors = [p for p in c.problems if p.severity == "error"]  # composing and resolving, as the trainer
@@ -63,15 +63,32 @@ def config(
 def _stage_file(path: Path, stage: Optional[str]) -> tuple[Path, Optional[Path]]:
     if not path.exists():
         raise UsageError(f"{path}: no such file or folder", hint="give a project folder or a stage YAML")
-    if path.is_file() and path.name != "longspec.yaml":
-        return path, None
     from longspec_cli.core.manifest import load_manifest
+
+    if path.is_file() and path.name != "longspec.yaml":
+        return path, _listed_output_dir(path)
 
     m = load_manifest(path if path.is_dir() else path.parent)
     spec = m.stage(stage) if stage is not None else m.stages[0]
     if not spec.config.is_file():
         raise UsageError(f"stage {spec.name}: config {spec.config} does not exist", hint="fix `config` in longspec.yaml")
     return spec.config, spec.output_dir
+
+
+def _listed_output_dir(stage_file: Path) -> Optional[Path]:
+    """The manifest's output_dir when the stage file belongs to a project (as `run` would pass it)."""
+    from longspec_cli.core.manifest import load_manifest
+    from longspec_cli.core.validate import _project_of
+    from longspec_cli.errors import LongspecError
+
+    root = _project_of(stage_file)
+    if root is None:
+        return None
+    try:
+        m = load_manifest(root)
+    except LongspecError:
+        return None
+    return next((s.output_dir for s in m.stages if s.config.resolve() == stage_file.resolve()), None)
 
 
 def render(data: dict[str, Any], origins: dict[str, str], indent: int = 0, prefix: str = "") -> str:

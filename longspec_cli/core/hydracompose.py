@@ -432,9 +432,13 @@ def _shadow(conf: Path) -> tuple[Path, dict[Path, Path]]:
 
 
 def _needs_shadow(conf: Path) -> bool:
+    """Does a file of the tree hold a `[...]` placeholder (text scan only; parsing is for provenance)?"""
     for p in conf.rglob("*.yaml"):
-        _, _, text = read_positions(p)
-        if "__placeholder" in text:
+        try:
+            text = p.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        if "[" in text and "__placeholder" in scan_placeholders(text, p)[0]:
             return True
     return False
 

