@@ -561,9 +561,12 @@ def _missing_problems(c: Composed) -> None:
             continue
         hits = [o for o in c.origins.get(key, []) if o.kind == "file" and o.value == MISSING]
         o = hits[-1] if hits else None
+        # output_dir alone may come from the command line (`longspec run` passes the manifest's)
+        severity = "warning" if key == "output_dir" and not header and o is None else "error"
         hint = (HEADER_HINT if header else "replace the placeholder with your path" if o else
-                f"set `{key}: ...` in {c.path.name}" + (" (or on the command line)" if key == "output_dir" else ""))
-        c.problems.append(Problem("error", str(o.file if o else c.path), o.line if o else None, key,
+                f"set `{key}: ...` in {c.path.name}" + (" or pass output_dir=... (a project's `longspec run` "
+                                                         "passes the manifest's)" if key == "output_dir" else ""))
+        c.problems.append(Problem(severity, str(o.file if o else c.path), o.line if o else None, key,
                                   f"`{key}` must be set: it is `???`"
                                   + ("" if o else " (the trainer's default)"), hint))
 
