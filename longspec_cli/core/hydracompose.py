@@ -10,9 +10,8 @@ added on top:
 
   provenance  each dotted key's file:line, from ruamel positions in the defaults list's files,
               walked in Hydra's merge order (the last one wins; `???` never wins over a value)
-  problems    Hydra's own errors (missing config, no-match override, duplicate group, a header
-              that leaves the stage under `exp.`, an interpolation to a missing key) as Problems
-              with a file, a line and a hint; every leaf resolved on its own, so all at once
+  problems    Hydra's own errors as Problems with a file, a line and a hint (core.hydraproblems);
+              every leaf resolved on its own, so all are reported at once
 
 An upstream experiment file (the reference trainer's dialect) is composed as its own primary
 config with its conf/ folder on the search path, the way the reference trainer reads it.
@@ -34,8 +33,6 @@ from longspec_cli.core import yamlio
 from longspec_cli.core.placeholders import scan_placeholders, show_placeholders
 from longspec_cli.core.problem import Problem
 
-HEADER = "# @package _global_"
-HEADER_HINT = "`# @package _global_` must be the first line; Hydra reads it only before any other comment"
 TRAINER_MODULE = "longspec"
 MISSING = "???"
 _REF = re.compile(r"\$\{([\w.]+)\}")
@@ -288,6 +285,7 @@ def _provenance(c: Composed, defaults: list, dirs: list[Path], shadow: dict[Path
 # ---------------------------------------------------------------- resolving leaf by leaf
 
 def _resolve(c: Composed, cfg) -> None:
+    from longspec_cli.core import hydraproblems as P
     from omegaconf import DictConfig, ListConfig, OmegaConf
     from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
@@ -309,7 +307,7 @@ def _resolve(c: Composed, cfg) -> None:
                 c.missing.append(dotted)
                 v = MISSING
             except (OmegaConfBaseException, RecursionError) as e:
-                c.problems.append(_interp_problem(c, dotted, r, e, keys))
+                c.problems.append(P.interp_problem(c, dotted, r, e, keys))
                 v = r
             if isinstance(v, (DictConfig, ListConfig)):
                 v = walk(v, r if isinstance(r, (dict, list)) else None, dotted)
@@ -330,89 +328,6 @@ def _dotted_keys(node: Any, prefix: str = "") -> list[str]:
             out.append(d)
             out += _dotted_keys(v, d)
     return out
-
-
-def _interp_problem(c: Composed, dotted: str, raw: Any, e: Exception, keys: list[str]) -> Problem:
-    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-    m = re.search(r"Interpolation key '([^']+)' not found", msg)
-    if m:
-        close = S.did_you_mean(m.group(1), keys)
-        hint = f"did you mean `${{{close}}}`?" if close else f"set `{m.group(1)}`, or change the reference"
-        return c.problem("error", dotted, f"{dotted}: {raw} refers to `{m.group(1)}`, which is not set", hint)
-    return c.problem("error", dotted, f"{dotted}: {raw} cannot be resolved ({msg})",
-                     "fix the ${...} expression (OmegaConf's syntax: ${key}, ${oc.env:VAR,default}, ...)")
-
-
-# ---------------------------------------------------------------- Hydra's errors as problems
-
-def _defaults_entry(path: Path, *needles: str) -> int | None:
-    """Line of the first defaults entry of `path` whose text holds every needle (else of `defaults:`)."""
-    node, _, _ = read_positions(path)
-    items = node.get("defaults") if isinstance(node, dict) else None
-    if not isinstance(items, list):
-        return None
-    for i, item in enumerate(items):
-        text = repr(yamlio.to_plain(item))
-        if all(n in text for n in needles):
-            try:
-                return items.lc.item(i)[0] + 1
-            except (AttributeError, KeyError, TypeError):
-                return yamlio.key_line(node, "defaults")
-    return yamlio.key_line(node, "defaults")
-
-
-def _hydra_problem(c: Composed, e: Exception, files: dict[str, Path], dirs: list[Path]) -> Problem:
-    text = str(e)
-    first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
-    stage = c.path
-    m = re.search(r"In '([^']+)': Could not find '([^']+)'", text) or re.search(r"Could not find '([^']+)'", text)
-    if m:
-        parent = files.get(m.group(1), stage) if m.re.groups == 2 else stage
-        missing = m.group(m.re.groups)
-        group, _, name = missing.rpartition("/")
-        opts = re.search(r"Available options in '[^']+':\n((?:\t.*\n?)*)", text)
-        options = [o.strip() for o in opts.group(1).splitlines()] if opts else []
-        line = _defaults_entry(parent, name or missing)
-        searched = [str(d / group) for d in dirs if (d / group).is_dir()] or [str(d / group) for d in dirs[-1:]]
-        if group.startswith("exp/") and parent == stage:
-            hint = (f"write `- /{group[4:]}@...: {name}`: without the leading `/` Hydra looks in "
-                    f"{group}/, next to the stage file")
-        elif S.did_you_mean(name, options):
-            hint = f"did you mean `{S.did_you_mean(name, options)}`?"
-        elif options:
-            hint = "available: " + ", ".join(options[:12])
-        else:
-            hint = "create the file, or fix the name in `defaults`"
-        where = f" (searched: {', '.join(searched)})" if searched else ""
-        return Problem("error", str(parent), line, "defaults", f"defaults: no config `{missing}.yaml`{where}", hint)
-    m = re.search(r"Could not override '([^']+)'\. No match in the defaults list", text)
-    if m:
-        return Problem("error", str(stage), _defaults_entry(stage, "override", m.group(1)), "defaults",
-                       f"defaults: `override {m.group(1)}` has nothing to override",
-                       f"remove `override `: no earlier defaults entry chooses {m.group(1)}")
-    m = re.search(r"Multiple values for ([^\s.]+)", text)
-    if m:
-        return Problem("error", str(stage), _defaults_entry(stage, m.group(1).split("@")[0]), "defaults",
-                       f"defaults: {m.group(1)} is listed twice",
-                       f"keep one entry, or write the second as `- override /{m.group(1)}: NAME`")
-    m = re.search(r"Could not override '([^']+)'\.\s*\nTo append to your config use \+", text)
-    if m:
-        return Problem("error", None, None, m.group(1),
-                       f"override `{m.group(1)}=...`: no such key in the config",
-                       _override_hint(m.group(1), c))
-    if "Error parsing override" in text or "mismatched input" in text or "no viable alternative" in text:
-        return Problem("error", None, None, None, f"bad override: {first}",
-                       "write overrides as key=value (Hydra's override syntax)")
-    return Problem("error", str(stage), 1, None, f"Hydra cannot compose this stage: {first}",
-                   "fix the file Hydra names; `python -m longspec.train --config-dir CONF +exp=STAGE --cfg job` "
-                   "shows the same error")
-
-
-def _override_hint(key: str, c: Composed) -> str:
-    from longspec_cli.core.schema import LONGSPEC_SPEC
-
-    close = S.did_you_mean(key, [k for k in LONGSPEC_SPEC if k not in ("defaults", "hydra")])
-    return f"did you mean `{close}`?" if close else f"use `+{key}=...` to add a new key (the trainer refuses unknown keys)"
 
 
 # ---------------------------------------------------------------- shadow tree for placeholders
@@ -482,6 +397,8 @@ def compose_stage(path: str | os.PathLike, overrides: list[str] | tuple[str, ...
 
 
 def _compose_stage(path: Path, overrides: list[str]) -> Composed:
+    from longspec_cli.core import hydraproblems as P
+
     node, problems, _ = read_positions(path)
     c = Composed(path=path, ok=False, data={}, origins={}, refs={}, files=[path], problems=list(problems))
     if node is None:
@@ -527,7 +444,7 @@ def _compose_stage(path: Path, overrides: list[str]) -> Composed:
             files[f"exp/{loc[1]}"] = path
         dirs = [conf / Path(d).relative_to(tmp) if tmp is not None and Path(d).is_relative_to(tmp) else d
                 for d in [primary, *extra]]
-        c.problems.append(_hydra_problem(c, e, files, [x for x in dirs if x != trainer]))
+        c.problems.append(P.hydra_problem(c, e, files, [x for x in dirs if x != trainer]))
         c.data = raw
         return c
     finally:
@@ -536,40 +453,9 @@ def _compose_stage(path: Path, overrides: list[str]) -> Composed:
     c.ok = True
     _resolve(c, cfg)
     if isinstance(c.data.get("exp"), dict) and d == S.LONGSPEC:
-        _header_problem(c)
-    _missing_problems(c)
+        P.header_problem(c)
+    P.missing_problems(c)
     return c
-
-
-def _header_problem(c: Composed) -> None:
-    line, read = header_line(c.path)
-    if line is not None:
-        msg = (f"the stage is merged under `exp.`: its `# @package` header is on line {line}, after another "
-               "comment, so Hydra does not read it; the trainer sees `???` for the target and the data")
-    else:
-        msg = ("the stage is merged under `exp.`: it has no `# @package _global_` header; the trainer sees "
-               "`???` for the target and the data")
-    c.problems.append(Problem("error", str(c.path), line or 1, None, msg,
-                              HEADER_HINT if line else f"add `{HEADER}` as the first line"))
-    c.under_exp = True
-
-
-def _missing_problems(c: Composed) -> None:
-    header = c.under_exp
-    for key in c.missing:
-        if key.startswith("exp."):
-            continue
-        hits = [o for o in c.origins.get(key, []) if o.kind == "file" and o.value == MISSING]
-        o = hits[-1] if hits else None
-        # output_dir alone may come from the command line (`longspec run` passes the manifest's)
-        severity = "warning" if key == "output_dir" and not header and o is None else "error"
-        hint = (HEADER_HINT if header else "replace the placeholder with your path" if o else
-                f"set `{key}: ...` in {c.path.name}" + (" or pass output_dir=... (a project's `longspec run` "
-                                                         "passes the manifest's)" if key == "output_dir" else ""))
-        c.problems.append(Problem(severity, str(o.file if o else c.path), o.line if o else None, key,
-                                  f"`{key}` must be set: it is `???`"
-                                  + ("" if o else " (the trainer's default)"), hint))
-
 
 
 # ---------------------------------------------------------------- `longspec config`

@@ -8,7 +8,8 @@ import json
 from typer.testing import CliRunner
 
 from longspec_cli.app import app
-from longspec_cli.core.hydracompose import HEADER_HINT, compose_stage
+from longspec_cli.core.hydracompose import compose_stage
+from longspec_cli.core.hydraproblems import HEADER_HINT
 
 runner = CliRunner()
 
