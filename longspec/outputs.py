@@ -132,6 +132,16 @@ class RunWriter:
                 removed.append(c.path)
         return removed
 
+    def drop_incomplete_checkpoints(self) -> list[Path]:
+        """Remove checkpoint folders without checkpoint.json (a save that failed part-way)."""
+        if not self.enabled:
+            return []
+        complete = {c.step for c in self.complete_checkpoints()}
+        dropped = [path for step, path in self.all_checkpoint_dirs() if step not in complete]
+        for path in dropped:
+            shutil.rmtree(path, ignore_errors=True)
+        return dropped
+
     def remove_all_checkpoints(self) -> None:
         if self.enabled:
             for _, path in self.all_checkpoint_dirs():

@@ -19,7 +19,11 @@ Steps: check the config (before anything loads) -> skip if the stage is already 
 preflight (target, data, draft) -> DeepSpeed engine -> resume from the newest complete checkpoint
 -> train -> checkpoint-<step>/ every save_steps and at the end -> draft_model_weights.pth ->
 stage_complete.json (last). Every rank tears the process group down and exits 0 on success;
-a user mistake prints one `error:` block on stderr and exits 1.
+a user mistake prints one `error:` block on stderr and exits 1, and so does a write that fails for
+want of space (the block names the path, the free space left and the checkpoint a rerun resumes
+from; a half-written checkpoint is removed, never marked complete). SIGTERM or SIGUSR1 (a scheduler's
+preemption notice, `longspec stop`) finishes the current optimizer step, saves a checkpoint on every
+rank, writes a `preempted` event and exits 5; a second signal exits at once (longspec/preempt.py).
 """
 from __future__ import annotations
 
@@ -32,12 +36,12 @@ from pathlib import Path
 from typing import Any
 
 from longspec import dsconfig, outputs
+from longspec.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED, WATCH
 from longspec_cli.core import runfolder
 
 EXIT_ERROR = 1
-EXIT_INTERRUPTED = 130
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-_progress = {"step": 0}           # the last finished step, for the `error` event
+_progress = {"step": 0, "writing": None}   # the last finished step, the path being written
 
 
 class TrainError(Exception):
@@ -63,7 +67,10 @@ def report_error(message: str, hint: str | None = None) -> None:
     text = "error: " + message.strip().replace("\n", "\n  ")
     if hint:
         text += f"\n  hint: {hint}"
-    print(text, file=sys.stderr, flush=True)
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):    # stderr is train.log on a full disk: nothing more to do
+        pass
 
 
 def take_local_rank(argv: list[str]) -> list[str]:
@@ -289,6 +296,9 @@ def run(cfg) -> int:
     try:
         session.setup(resume_from)
         session.train()
+        if session.preempted:
+            session.stop_preempted()
+            return EXIT_PREEMPTED
         session.finish()
     finally:
         session.close()
@@ -321,6 +331,7 @@ class Session:
         self.step = 0
         self.last_loss: float | None = None
         self.saved: tuple[int, Any] | None = None       # (step, draft state) of the last save
+        self.preempted = False                            # a stop signal ended the loop
 
     # ------------------------------------------------------------------ setup
     def setup(self, resume_from) -> None:
@@ -464,7 +475,7 @@ class Session:
         engine.train()
         while self.step < self.total:
             lag = sample_cross_lag(conf["cross_attn_lag"], seeded(conf["seed"], self.step, -1))
-            sums = torch.zeros(3, dtype=torch.float64)       # loss, llm_loss, tokens on this rank
+            sums = torch.zeros(4, dtype=torch.float64)       # loss, llm_loss, tokens, stop request
             for micro in range(ga):
                 batch = next(stream)
                 ids = batch["input_ids"]                       # (B, T)
@@ -480,6 +491,7 @@ class Session:
                 sums[2] += float(mask.sum()) if mask is not None else ids.numel()
             self.step += 1
             _progress["step"] = self.step
+            sums[3] = 1.0 if WATCH.requested.is_set() else 0.0   # every rank stops at the same step
             torch.distributed.all_reduce(sums)
             loss, llm_loss = sums[0].item() / (ga * self.world), sums[1].item() / (ga * self.world)
             self.last_loss = loss
@@ -500,6 +512,11 @@ class Session:
             if self.step % conf["save_steps"] == 0 or self.step == self.total:
                 self.save_checkpoint()
                 t_log = time.time()                      # throughput leaves the save time out
+            if sums[3].item() > 0 and self.step < self.total:
+                self.preempted = True
+                if not (self.saved and self.saved[0] == self.step):
+                    self.save_checkpoint()
+                return
 
     # ------------------------------------------------------------------ save
     def draft_state(self) -> dict | None:
@@ -521,6 +538,7 @@ class Session:
         from longspec.checkpoint import save_draft
 
         path = self.out.checkpoint_dir(self.step)
+        _progress["writing"] = path
         if self.rank == 0:
             self.out.prepare_checkpoint(self.step)
         torch.distributed.barrier()
@@ -538,6 +556,20 @@ class Session:
             self.out.rotate(self.conf["save_total_limit"], self.step)
             self.out.event("checkpoint", self.step, path=str(path))
         self.saved = (self.step, state)
+        _progress["writing"] = None
+
+    def stop_preempted(self) -> None:
+        """After a stop signal: the checkpoint of this step is on every rank's disk; say so, leave."""
+        import torch
+
+        path = self.out.checkpoint_dir(self.step)
+        if self.rank == 0:
+            self.out.event("preempted", self.step, total_steps=self.total, signal=WATCH.name, path=str(path))
+            print0(f"[{self.conf['stage']}] {WATCH.name or 'stop signal'}: saved {path} at step "
+                   f"{self.step}/{self.total}; a rerun resumes from it (exit code {EXIT_PREEMPTED})")
+        torch.distributed.barrier()
+        WATCH.saved = True
+        self.ok = True
 
     def finish(self) -> None:
         import torch
@@ -546,7 +578,9 @@ class Session:
 
         state = self.saved[1] if self.saved and self.saved[0] == self.step else self.draft_state()
         if self.rank == 0:
+            _progress["writing"] = self.out.dir / WEIGHTS_NAME
             weights = save_draft(state, self.out.dir / WEIGHTS_NAME)
+            _progress["writing"] = self.out.dir / runfolder.STAGE_COMPLETE
             self.out.event("end", self.step, final_loss=self.last_loss,
                            elapsed_s=round(time.time() - self.started, 3))
             self.out.write_stage_complete(
@@ -647,6 +681,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def guarded(cfg) -> int:
     """run() with the error boundary: user mistakes -> one `error:` block, exit 1, no traceback."""
+    from longspec_cli.core import diskspace
+
     try:
         return run(cfg)
     except KeyboardInterrupt:
@@ -656,6 +692,8 @@ def guarded(cfg) -> int:
             message = "invalid stage config:\n" + "\n".join(f"- {p}" for p in e.problems)
         elif isinstance(e, _user_errors()):
             message = str(e)
+        elif diskspace.is_write_failure(e):
+            message = _write_failure(cfg, e)
         else:
             import traceback
 
@@ -673,10 +711,29 @@ def _error_event(cfg, message: str) -> None:
     except Exception:
         return
     if out_dir.is_dir():
-        outputs.RunWriter(out_dir).event("error", _progress["step"], message=message)
+        try:
+            outputs.RunWriter(out_dir).event("error", _progress["step"], message=message)
+        except OSError:
+            pass                       # a full disk: the error block on stderr says it all
+
+
+def _write_failure(cfg, e: BaseException) -> str:
+    """A write failed for want of space: drop the half-written checkpoint (rank 0; it never got its
+    checkpoint.json, so nothing reads it, but it holds space), then name path, space and resume point."""
+    from longspec_cli.core import diskspace
+
+    try:
+        out_dir = Path(cfg.get("output_dir"))
+    except Exception:
+        out_dir = Path(".")
+    path = _progress["writing"] or diskspace.failed_path(e) or "the training log (stdout)"
+    if rank() == 0:
+        outputs.RunWriter(out_dir).drop_incomplete_checkpoints()
+    return diskspace.write_failure(path, out_dir, e)
 
 
 def main() -> None:
+    WATCH.install()                  # before any thread starts: the stop signals go to one thread
     sys.argv = [sys.argv[0]] + implied_config_dir(take_local_rank(sys.argv[1:]))
     single_process_env()
     _hydra_entry()
