@@ -1,7 +1,8 @@
 """Typed errors and the one place where the CLI turns them into a message and an exit code.
 
 Exit codes (README, docs/DESIGN.md):
-  0 ok, 1 problems found / refused, 2 usage, 3 unreadable input, 4 a training run failed, 130 Ctrl-C.
+  0 ok, 1 problems found / refused, 2 usage, 3 unreadable input, 4 a training run failed (a full
+  disk included), 5 training was preempted (a stop signal saved a checkpoint; a rerun resumes), 130 Ctrl-C.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ REFUSED = 1
 USAGE = 2
 BAD_INPUT = 3
 RUN_FAILED = 4
+PREEMPTED = 5
 INTERRUPTED = 130
 
 T = TypeVar("T")
@@ -77,3 +79,14 @@ def run_cli(fn: Callable[[], T]) -> T:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         raise typer.Exit(INTERRUPTED) from None
+    except OSError as e:
+        from longspec_cli.core import diskspace
+
+        if not diskspace.is_write_failure(e):
+            raise
+        # One of the CLI's own writes (run.json, train.log, a moved run folder) met a full disk.
+        path = e.filename or "a file"
+        print_error(RunFailed(f"could not write {path}: {e.strerror or e} "
+                              f"({diskspace.human(diskspace.free_bytes(path if e.filename else '.'))} free)",
+                              hint="free some space and run the command again"))
+        raise typer.Exit(RUN_FAILED) from None

@@ -18,7 +18,7 @@ States: pending, running, done, stale (config or input draft changed since the r
 
 Exit codes: 0 ok, 2 no such project, 3 unreadable longspec.yaml."""
 
-STATE_STYLE = {"done": "green", "running": "cyan", "pending": "white", "stale": "yellow", "failed": "red"}
+STATE_STYLE = {"done": "green", "running": "cyan", "pending": "white", "stale": "yellow", "failed": "red", "preempted": "yellow"}
 
 
 def status(

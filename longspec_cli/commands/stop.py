@@ -13,11 +13,15 @@ EPILOG = """Examples:
 
   longspec stop demo            stop whichever stage of demo is running
 
-  longspec stop demo long --timeout 30
+  longspec stop demo long --now          stop at once, without saving a checkpoint
 
-The run's process group gets SIGINT, then SIGTERM, then SIGKILL, until none of its processes is
-left. run.json must still name a live process of that run (pid, start time, host): a stale
-run.json whose pid now belongs to another process is never signalled.
+  longspec stop demo --save-timeout 1800 a large model: allow 30 minutes for the save
+
+The training ranks get SIGTERM: each finishes its optimizer step, saves a checkpoint and exits
+(`longspec run DIR` later resumes from it). If they have not ended after --save-timeout seconds,
+or with --now, the run's process group gets SIGINT, then SIGTERM, then SIGKILL (--timeout apart),
+until none of its processes is left. run.json must still name a live process of that run (pid,
+start time, host): a stale run.json whose pid now belongs to another process is never signalled.
 Exit codes: 0 stopped, 1 nothing running, 2 usage."""
 
 
@@ -26,9 +30,12 @@ def stop(
     stage: Optional[str] = typer.Argument(None, help="Stage to stop (default: any running stage).",
                                           show_default=False),
     timeout: float = typer.Option(15.0, "--timeout", help="Seconds after SIGINT (and again after "
-                                  "SIGTERM) before the next signal."),
+                                  "SIGTERM) before the next signal, when stopping without a save."),
+    now: bool = typer.Option(False, "--now", help="Stop at once, without saving a checkpoint first."),
+    save_timeout: float = typer.Option(600.0, "--save-timeout", help="Seconds the ranks may take to "
+                                       "save a checkpoint before they are stopped without one."),
 ) -> None:
-    """Stop a running training stage: SIGINT, then SIGTERM, then SIGKILL to its process group."""
+    """Stop a running training stage: save a checkpoint first (SIGTERM to the ranks), then stop."""
 
     def body() -> None:
         from longspec_cli.core import runfolder
@@ -36,8 +43,8 @@ def stop(
         from longspec_cli.errors import RefusedError, UsageError
         from longspec_cli.launch import process
 
-        if timeout < 0:
-            raise UsageError("--timeout must be >= 0")
+        if timeout < 0 or save_timeout < 0:
+            raise UsageError("--timeout and --save-timeout must be >= 0")
         manifest = load_manifest(project_dir)
         specs = [manifest.stage(stage)] if stage else manifest.stages
         stopped, stale = [], []
@@ -46,13 +53,18 @@ def stop(
             if info is None:
                 continue
             outcome = process.stop_run(spec.output_dir, spec.name, grace_int=timeout, grace_term=timeout,
-                                       say=typer.echo)
+                                       say=typer.echo, save=not now, save_timeout=save_timeout)
             if outcome is None:
                 if info.get("returncode") is None:
                     stale.append(f"{spec.name} (run.json pid {info.get('pid')})")
                 continue
             left = f"; {len(outcome.remaining)} process(es) remain" if outcome.remaining else ""
-            typer.echo(f"stopped {spec.name}: process group {outcome.pid} ended after {outcome.signal}{left}")
+            if outcome.saved:
+                from longspec_cli.core.diskspace import resume_sentence
+
+                typer.echo(f"stopped {spec.name}: checkpoint saved; {resume_sentence(spec.output_dir)}")
+            else:
+                typer.echo(f"stopped {spec.name}: process group {outcome.pid} ended after {outcome.signal}{left}")
             stopped.append(spec.name)
         if not stopped:
             what = f"stage {stage}" if stage else f"any stage of {manifest.name}"

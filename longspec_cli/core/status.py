@@ -7,6 +7,7 @@ States (docs/DESIGN.md): done, stale, running, failed, pending. Order of the che
            upstream stage's current final draft, or the upstream stage is itself not done
   failed   the last lifecycle event is `error`, or run.json's process is gone without
            stage_complete.json, or the final weights no longer match stage_complete.json
+  preempted  the last lifecycle event is `preempted`: a stop signal saved a checkpoint (resumable)
   pending  anything else (resumable when complete checkpoints exist)
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 from longspec_cli.core import runfolder
 from longspec_cli.core.manifest import Manifest, StageSpec
 
-STATES = ("pending", "running", "done", "failed", "stale")
+STATES = ("pending", "running", "done", "failed", "stale", "preempted")
 DRAFT_KEY = "draft_model_name_or_path"
 
 
@@ -107,7 +108,7 @@ def stage_status(spec: StageSpec, upstream: StageStatus | None = None, root: Pat
     _read_eval(st, spec)
     events = rd.events()
     _progress(st, rd, complete, events)
-    lifecycle = [e for e in events if e.get("event") in ("start", "resume", "end", "error")]
+    lifecycle = [e for e in events if e.get("event") in ("start", "resume", "end", "error", "preempted")]
     last_event = lifecycle[-1] if lifecycle else None
 
     if info is not None and _running(info, st):
@@ -119,6 +120,10 @@ def stage_status(spec: StageSpec, upstream: StageStatus | None = None, root: Pat
         st.state = "failed"
         st.reasons.append("final weights missing" if st.draft_weights is None
                           else "final weights do not match stage_complete.json sha256 (truncated or replaced)")
+    elif last_event is not None and last_event.get("event") == "preempted":
+        st.state = "preempted"
+        st.reasons.append(f"stopped by {last_event.get('signal') or 'a stop signal'} at step "
+                          f"{last_event.get('step')} after saving a checkpoint")
     elif last_event is not None and last_event.get("event") == "error":
         st.state = "failed"
         st.reasons.append(f"error at step {last_event.get('step')}: {last_event.get('message', '?')}")
@@ -217,7 +222,7 @@ def _next_action(st: StageStatus, rd: runfolder.RunDir, upstream: StageStatus | 
     if upstream is not None and upstream.state != "done":
         st.next_action, st.action = f"wait for {upstream.name}", "blocked"
         return
-    ckpts = rd.checkpoints() if st.state in ("pending", "failed") else []
+    ckpts = rd.checkpoints() if st.state in ("pending", "failed", "preempted") else []
     if ckpts:
         st.resume_step = ckpts[-1].step
         st.next_action, st.action = f"resume from step {st.resume_step}", "resume"

@@ -25,10 +25,11 @@ from typing import Any, TextIO
 
 from longspec_cli.core import runfolder
 from longspec_cli.core.manifest import Manifest, StageSpec
-from longspec_cli.errors import INTERRUPTED, LongspecError, RefusedError, RunFailed, UsageError
+from longspec_cli.errors import INTERRUPTED, PREEMPTED, LongspecError, RefusedError, RunFailed, UsageError
 from longspec_cli.launch import argv as A
 from longspec_cli.launch import memory as M
 
+LOW_SPACE_BYTES = 64 * 1024 ** 2  # a failed stage with less free than this is reported as a full disk
 
 
 @dataclass
@@ -605,11 +606,18 @@ def run_one(manifest: Manifest, p: StagePlan, placement: A.Placement, res: A.Res
                                        stream=console.out,
                                        quiet=req.quiet, **kw)
     p.wall_s = result.wall_s
+    saved = _preempted_event(spec)
     if result.interrupted or result.stopped:
         how = "stopped by `longspec stop`" if result.stopped and not result.interrupted else "interrupted"
-        raise LongspecError(f"stage {spec.name} {how} after {result.wall_s:.0f} s; no process of it is left",
+        what = (f"after saving checkpoint-{saved['step']}" if saved else f"after {result.wall_s:.0f} s")
+        raise LongspecError(f"stage {spec.name} {how} {what}; no process of it is left",
                             hint=f"`longspec run {manifest.root}` resumes it from its newest checkpoint",
                             exit_code=INTERRUPTED)
+    if result.returncode == PREEMPTED and saved:
+        raise LongspecError(f"stage {spec.name} was preempted ({saved.get('signal') or 'a stop signal'}) at step "
+                            f"{saved['step']} and saved checkpoint-{saved['step']}; the next stage was not started",
+                            hint=f"`longspec run {manifest.root}` resumes it from step {saved['step']}",
+                            exit_code=PREEMPTED)
     rd = runfolder.RunDir(spec.output_dir)
     complete = rd.stage_complete()
     if result.returncode != 0 or complete is None:
@@ -618,6 +626,15 @@ def run_one(manifest: Manifest, p: StagePlan, placement: A.Placement, res: A.Res
     console.say(f"== {spec.name}: done in {result.wall_s:.1f} s, {out.steps} steps, final loss "
                 f"{out.last_loss if out.last_loss is not None else '?'}, sha256 {(out.sha256 or '?')[:16]}")
     return out
+
+
+def _preempted_event(spec: StageSpec) -> dict | None:
+    """The last lifecycle event of the stage when it is `preempted` (a checkpoint was saved)."""
+    events = [e for e in runfolder.RunDir(spec.output_dir).events()
+              if e.get("event") in ("start", "resume", "end", "error", "preempted")]
+    last = events[-1] if events else None
+    return last if last is not None and last.get("event") == "preempted" and isinstance(last.get("step"), int) \
+        else None
 
 
 def ops_build_dir() -> str:
@@ -685,6 +702,14 @@ def _fail(spec: StageSpec, result, complete, console: Console) -> None:
            else "exit code 0 but no stage_complete.json was written")
     console.err.write(f"\n--- last lines of {log} ---\n{tail}\n---\n")
     console.err.flush()
+    from longspec_cli.core import diskspace
+
+    free = diskspace.free_bytes(spec.output_dir)
+    if free is not None and free < LOW_SPACE_BYTES or "could not write" in tail:
+        # train.log may be the very file that could not be written: say it from here too.
+        raise RunFailed(f"stage {spec.name} failed ({why}): {diskspace.human(free)} free on the disk of "
+                        f"{spec.output_dir}\n{diskspace.resume_sentence(spec.output_dir)}",
+                        hint="free some space (or point output_dir elsewhere) and run again")
     raise RunFailed(f"stage {spec.name} failed ({why}); the next stage was not started",
                     hint=f"full log: {log}")
 

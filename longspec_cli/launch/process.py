@@ -5,10 +5,15 @@ rank and helper it spawns and nothing else. Its stdout and stderr go straight to
 `<output_dir>/train.log` (so a closed terminal does not kill the run); this process follows
 the file and echoes it, with a progress line from metrics.jsonl.
 
-Ctrl-C (or SIGTERM to `longspec run`): SIGINT to the group, then SIGTERM, then SIGKILL after
-timeouts, until no process of the group is left; a second Ctrl-C skips to the next signal.
+Ctrl-C (or SIGTERM to `longspec run`): SIGTERM to the training ranks only (never to DeepSpeed's
+launchers, which would kill the ranks 30 s later): each rank finishes its optimizer step, saves a
+checkpoint and exits 5 (longspec/preempt.py), and the launchers follow. A second Ctrl-C stops at
+once: SIGINT to the group, then SIGTERM, then SIGKILL after timeouts, until no process of the
+group is left (a further Ctrl-C skips to the next signal). Without a trainer rank in the group the
+first Ctrl-C stops at once too.
 `longspec stop` does the same from another terminal after checking run.json still names a live
-process of this run (pid + start time + host); it marks run.json so `run` reports "stopped".
+process of this run (pid + start time + host); it marks run.json so `run` reports "stopped";
+`--now` skips the save.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from longspec_cli.launch.argv import INSTALL_HINT, LaunchCommand
 TRAIN_LOG = "train.log"
 GRACE_INT_S = 15.0  # after SIGINT: time for the ranks to unwind and the launcher to clean up
 GRACE_TERM_S = 10.0  # after SIGTERM, before SIGKILL
+SAVE_TIMEOUT_S = 600.0  # `stop`: how long the ranks may take to save before they are stopped anyway
+TRAINER_MODULE = "longspec.train"
 POLL_S = 0.2
 _MISSING_MODULE = re.compile(r"No module named '(torch|deepspeed|transformers|hydra|omegaconf|safetensors)")
 
@@ -64,6 +71,56 @@ def group_members(pgid: int) -> list[int]:
         if len(rest) > 2 and rest[0] not in ("Z", "X") and rest[2] == str(pgid):
             out.append(int(name))
     return out
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode("utf-8", "replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+def is_trainer_rank(argv: list[str]) -> bool:
+    """A training rank runs `python [-u] -m longspec.train ...` (or longspec/train.py); DeepSpeed's
+    launchers carry `--module longspec.train` among their own flags, which is not this."""
+    for i, arg in enumerate(argv[:4]):
+        if arg == "-m" and i + 1 < len(argv) and argv[i + 1] == TRAINER_MODULE:
+            return True
+        if arg.endswith(("longspec/train.py", "longspec\\train.py")) and i <= 2:
+            return True
+    return False
+
+
+def trainer_ranks(pgid: int) -> list[int]:
+    """The training ranks among the live members of process group `pgid`."""
+    return [pid for pid in group_members(pgid) if is_trainer_rank(_cmdline(pid))]
+
+
+def request_save(pgid: int) -> list[int]:
+    """SIGTERM to every training rank of the group: save a checkpoint, then exit. Returns the pids."""
+    ranks = trainer_ranks(pgid)
+    for pid in ranks:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return ranks
+
+
+def wait_group(pgid: int, timeout: float, reap: Callable[[], None] | None = None,
+               skip: Callable[[], bool] | None = None) -> bool:
+    """Wait until no process of the group is left; False on timeout (or when `skip` says so)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if reap:
+            reap()
+        if not group_members(pgid):
+            return True
+        if skip and skip():
+            return False
+        time.sleep(0.1)
+    return not group_members(pgid)
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -285,7 +342,12 @@ def run_stage_process(cmd: LaunchCommand, output_dir: Path, stage: str, override
                 "overrides": list(overrides), "stage": stage, "output_dir": str(output_dir),
                 "world_size": cmd.world_size, "launcher_pid": os.getpid(), **(extra_info or {}),
             }
-            atomic_write_json(output_dir / runfolder.RUN_INFO, info)
+            try:
+                atomic_write_json(output_dir / runfolder.RUN_INFO, info)
+            except OSError:
+                terminate_group(proc.pid, grace_int=1.0, grace_term=1.0, reap=proc.poll)
+                proc.wait()
+                raise  # the CLI's error boundary reports the full disk (exit 4)
             result = _follow(proc, log_path, start_offset, output_dir, stage, echo, intr,
                              grace_int=grace_int, grace_term=grace_term)
             ended_unix = time.time()
@@ -298,10 +360,13 @@ def run_stage_process(cmd: LaunchCommand, output_dir: Path, stage: str, override
     final, _ = runfolder.read_json(output_dir / runfolder.RUN_INFO)
     final = final if final is not None and final.get("pid") == proc.pid else info
     result.stopped = bool(final.get("stop_requested_at"))
-    atomic_write_json(output_dir / runfolder.RUN_INFO, {
-        **final, "ended_at": utc_now(), "ended_unix": ended_unix, "returncode": result.returncode,
-        "interrupted": result.interrupted or result.stopped,
-    })
+    try:
+        atomic_write_json(output_dir / runfolder.RUN_INFO, {
+            **final, "ended_at": utc_now(), "ended_unix": ended_unix, "returncode": result.returncode,
+            "interrupted": result.interrupted or result.stopped,
+        })
+    except OSError as e:  # a full disk: the outcome is still reported; run.json keeps its start record
+        result.log_tail.append(f"(run.json not updated: {e.strerror or e})")
     return result
 
 
@@ -311,6 +376,7 @@ def _follow(proc: subprocess.Popen, log_path: Path, offset: int, output_dir: Pat
     tail = runfolder.MetricsTail(output_dir / runfolder.METRICS)
     reader = _LogFollower(log_path, offset)
     interrupted = False
+    saving = False  # the ranks were asked to save and exit; the next Ctrl-C stops at once
     shown = ""
 
     def pump() -> None:
@@ -328,6 +394,11 @@ def _follow(proc: subprocess.Popen, log_path: Path, offset: int, output_dir: Pat
         if intr.new():
             interrupted = True
             echo.clear()
+            if not saving and request_save(proc.pid):
+                saving = True
+                echo.write(f"\ninterrupt: {stage} finishes its optimizer step, saves a checkpoint and stops; "
+                           "Ctrl-C again to stop now without saving\n")
+                continue
             echo.write(f"\ninterrupt: stopping {stage} (process group {proc.pid}); Ctrl-C again to force\n")
             terminate_group(proc.pid, grace_int=grace_int, grace_term=grace_term,
                             reap=lambda: (proc.poll(), pump()), skip=intr.new,
@@ -399,6 +470,7 @@ class StopOutcome:
     pid: int
     signal: str  # last signal sent, or "none"
     remaining: list[int]
+    saved: bool = False  # the ranks saved a checkpoint and exited on their own
 
 
 def live_run(output_dir: Path) -> dict | None:
@@ -418,8 +490,12 @@ def live_run(output_dir: Path) -> dict | None:
 
 
 def stop_run(output_dir: Path, stage: str, *, grace_int: float = GRACE_INT_S,
-             grace_term: float = GRACE_TERM_S, say: Callable[[str], None] | None = None) -> StopOutcome | None:
-    """Stop the live run in `output_dir`; None when there is none (a stale run.json is left alone)."""
+             grace_term: float = GRACE_TERM_S, say: Callable[[str], None] | None = None,
+             save: bool = True, save_timeout: float = SAVE_TIMEOUT_S) -> StopOutcome | None:
+    """Stop the live run in `output_dir`; None when there is none (a stale run.json is left alone).
+
+    save: SIGTERM to the training ranks first (they save a checkpoint and exit 5) and wait up to
+    `save_timeout` for the group to end; then, or without save, SIGINT/SIGTERM/SIGKILL to the group."""
     info = live_run(output_dir)
     if info is None:
         return None
@@ -427,5 +503,11 @@ def stop_run(output_dir: Path, stage: str, *, grace_int: float = GRACE_INT_S,
     atomic_write_json(Path(output_dir) / runfolder.RUN_INFO, {**info, "stop_requested_at": utc_now()})
     # Between the check and the signal the group can only vanish, not be reused: a pgid is not
     # handed out again while a process of that group exists.
+    if save and request_save(pid):
+        if say:
+            say(f"{stage}: the ranks finish their optimizer step and save a checkpoint "
+                f"(up to {save_timeout:.0f} s; `longspec stop --now` stops without saving)")
+        if wait_group(pid, save_timeout):
+            return StopOutcome(stage=stage, pid=pid, signal="SIGTERM", remaining=[], saved=True)
     last = terminate_group(pid, grace_int=grace_int, grace_term=grace_term, say=say)
     return StopOutcome(stage=stage, pid=pid, signal=last, remaining=group_members(pid))

@@ -12,6 +12,7 @@ MARK = {
     "running": ("●", "bold yellow"),
     "failed": ("✖", "bold red"),
     "stale": ("◌", "bold magenta"),
+    "preempted": ("⏸", "bold yellow"),
     "pending": ("○", "dim"),
     "checking": ("…", "dim"),
 }
