@@ -42,6 +42,11 @@ def validate(
         from longspec_cli.core.validate import validate_paths
 
         report = validate_paths([str(p) for p in paths], world_size=world_size)
+        if not report.count("error"):  # a separate check: the projects' checkpoints vs free disk space
+            from longspec_cli.launch.disk import project_disk_problems
+
+            for p in paths:
+                report.add(project_disk_problems(p))
         if strict:
             report = report.strict()
         if as_json:

@@ -261,12 +261,9 @@ def stage_shape(manifest: Manifest, spec: StageSpec, overrides: list[str], res: 
     """The memory-estimate inputs of a stage, from its composed config + overrides; None if unknown."""
     from longspec_cli.core import presets
 
-    from longspec_cli.core.hydracompose import stage_overrides
-
-    c = composed(spec.config, tuple(stage_overrides(spec.output_dir, overrides)))
-    if not c.ok:
+    data = _stage_data(spec, overrides)
+    if data is None:
         return None
-    data = c.data
     size = None
     target = data.get("model_name_or_path")
     if isinstance(target, str) and (Path(target) / "config.json").is_file():
@@ -296,6 +293,46 @@ def stage_shape(manifest: Manifest, spec: StageSpec, overrides: list[str], res: 
         sliding_window=get(data.get("draft"), "sliding_window", 512),
         prefetch_params=_count(zero.get("stage3_prefetch_bucket_size"), 100_000_000), cuda=not res.cpu,
     )
+
+
+def _stage_data(spec: StageSpec, overrides: list[str]) -> dict | None:
+    """The stage's config composed with the command-line overrides (None if it does not compose)."""
+    from longspec_cli.core.hydracompose import stage_overrides
+
+    c = composed(spec.config, tuple(stage_overrides(spec.output_dir, overrides)))
+    if not c.ok or not isinstance(c.data, dict):
+        return None
+    return c.data
+
+
+def disk_reports(manifest: Manifest, todo: list[StagePlan], overrides: list[str],
+                 res: A.Resources) -> list[tuple[StagePlan, str, str | None]]:
+    """(plan, estimate line, warning or None) per stage; stages on one disk add up in order."""
+    from longspec_cli.core.diskspace import existing_parent
+    from longspec_cli.launch import disk as D
+
+    out, used = [], {}  # device -> bytes the earlier stages of this run will have written there
+    for p in todo:
+        shape = stage_shape(manifest, p.spec, overrides, res)
+        data = _stage_data(p.spec, overrides) or {}
+        if shape is None:
+            out.append((p, "disk estimate: unknown (no config.json for the target and no preset size)", None))
+            continue
+        num = lambda k: data.get(k) if isinstance(data.get(k), int) and not isinstance(data.get(k), bool) else None  # noqa: E731
+        est = D.estimate(shape, p.spec.output_dir, save_total_limit=num("save_total_limit"),
+                         max_steps=num("max_steps"), save_steps=num("save_steps"))
+        try:
+            dev = existing_parent(p.spec.output_dir).stat().st_dev
+        except OSError:
+            dev = None
+        before = used.get(dev, 0)
+        used[dev] = before + est.total
+        if before and est.free is not None:
+            from dataclasses import replace
+
+            est = replace(est, free=max(0, est.free - before))
+        out.append((p, est.line() + (" (after the earlier stages)" if before else ""), est.warning()))
+    return out
 
 
 def _count(v: Any, default: int) -> int:
@@ -393,6 +430,7 @@ def run_request(req: RunRequest, console: Console | None = None) -> list[StageOu
     if not req.dry_run:
         A.deepspeed_command()  # DeepSpeed and torch importable, else one sentence on the extra
     memory_warnings = []
+    disk = {id(p): (line, warning) for p, line, warning in disk_reports(manifest, todo, req.overrides, res)}
     for p in todo:
         lines, warning = memory_report(manifest, p.spec, req.overrides, res, req.gpu_mem_gib)
         if req.dry_run:
@@ -409,10 +447,18 @@ def run_request(req: RunRequest, console: Console | None = None) -> list[StageOu
                                if req.gate is not None else ""))
             for line in lines:
                 console.say("# " + line)
+            console.say("# " + disk[id(p)][0])
         if warning:
             memory_warnings.append(f"{p.spec.name}: {warning}")
     for w in memory_warnings:
         console.warn(w)
+    disk_warnings = [f"{p.spec.name}: {disk[id(p)][1]}" for p in todo if disk[id(p)][1]]
+    for w in disk_warnings:
+        console.warn(w)
+    if disk_warnings and not req.force and not req.dry_run:
+        raise RefusedError(f"not enough free disk space for {len(disk_warnings)} stage(s); nothing was started",
+                           hint="free some space, lower save_total_limit or move output_dir; "
+                                "--force launches anyway")
     if errors and not req.force:
         raise RefusedError(f"{errors} validation error(s) in the stage(s) to run; nothing was started",
                            hint="fix them (`longspec validate` lists them), or pass --force to launch anyway")

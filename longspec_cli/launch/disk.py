@@ -1,0 +1,116 @@
+"""Disk estimate of one training stage (checkpoints + final weights) against output_dir's free space.
+
+What the trainer writes (longspec/train.py, longspec/checkpoint.py), per checkpoint-<step>/:
+    draft_model_weights.pth + .safetensors   every draft parameter, twice, at the precision's bytes
+    ds/state/*model_states.pt                 the trainable draft parameters (frozen ones excluded)
+    ds/state/*optim_states.pt                 Adam under ZeRO >= 1: fp32 master + 2 fp32 moments
+                                              = 12 bytes per trainable parameter, summed over the
+                                              ranks' shards (the same total for ZeRO-1/2/3, offloaded
+                                              or not: offload moves the states in RAM, not on disk);
+                                              without ZeRO: the 2 moments (+ an fp32 master in bf16/fp16)
+    ds/zero_to_*.py, checkpoint.json          ~50 KB
+The newest checkpoint is complete before the oldest beyond save_total_limit is removed, so the
+peak is (save_total_limit + 1) checkpoints; plus the final weights (.pth + .safetensors).
+The model sizes come from longspec_cli.launch.memory (one owner of the parameter counts).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from longspec_cli.core.diskspace import free_bytes, human
+from longspec_cli.launch.memory import PRECISION_BYTES, StageShape
+
+CHECKPOINT_FIXED_BYTES = 50_000  # DeepSpeed's zero_to_fp32.py / zero_to_torch.py copies + checkpoint.json
+
+
+@dataclass(frozen=True)
+class DiskEstimate:
+    checkpoint: int        # bytes of one checkpoint-<step>/
+    kept: int              # checkpoints on disk at the peak
+    final: int             # final weights
+    free: int | None       # free bytes on output_dir's filesystem
+    where: str             # the folder whose filesystem was measured
+
+    @property
+    def total(self) -> int:
+        return self.checkpoint * self.kept + self.final
+
+    @property
+    def fits(self) -> bool:
+        return self.free is None or self.total <= self.free
+
+    def line(self) -> str:
+        return (f"disk estimate: {human(self.total)} ({self.kept} checkpoint(s) x {human(self.checkpoint)} "
+                f"+ final weights {human(self.final)}); {human(self.free)} free on the disk of {self.where}")
+
+    def warning(self) -> str | None:
+        if self.fits:
+            return None
+        return (f"the run needs ~{human(self.total)} on disk ({self.kept} checkpoint(s) x {human(self.checkpoint)} "
+                f"+ final weights {human(self.final)}) but the disk of {self.where} has {human(self.free)} free; "
+                f"it would fail part-way. Free some space, lower save_total_limit, or choose another output_dir")
+
+
+def checkpoint_bytes(shape: StageShape) -> int:
+    p = PRECISION_BYTES[shape.precision]
+    total, trainable = shape.size.draft_params()
+    weights = 2 * total * p                           # .pth + .safetensors twin
+    module = trainable * p                            # DeepSpeed's module states
+    if shape.zero_stage >= 1:
+        optim = 12 * trainable
+    else:
+        optim = (8 if p == 4 else 12) * trainable
+    return weights + module + optim + CHECKPOINT_FIXED_BYTES
+
+
+def checkpoints_kept(save_total_limit: int | None, max_steps: int | None, save_steps: int | None) -> int:
+    """Checkpoints on disk at the peak: the limit + the newest one being written (0/None = keep all:
+    the number of saves of max_steps, or the limit-less worst case unknown -> 1 more than counted)."""
+    if save_total_limit and save_total_limit > 0:
+        saves = math.ceil(max_steps / save_steps) if max_steps and save_steps else None
+        return min(save_total_limit + 1, saves) if saves else save_total_limit + 1
+    if max_steps and save_steps:
+        return max(1, math.ceil(max_steps / save_steps))
+    return 1
+
+
+def estimate(shape: StageShape, output_dir, *, save_total_limit: int | None, max_steps: int | None,
+             save_steps: int | None) -> DiskEstimate:
+    total, _ = shape.size.draft_params()
+    final = 2 * total * PRECISION_BYTES[shape.precision]
+    return DiskEstimate(checkpoint=checkpoint_bytes(shape),
+                        kept=checkpoints_kept(save_total_limit, max_steps, save_steps),
+                        final=final, free=free_bytes(output_dir), where=str(output_dir))
+
+
+def project_disk_problems(path) -> list:
+    """`validate`: one warning per stage of the project at `path` (a folder or its longspec.yaml)
+    whose checkpoints and final weights would not fit on its output_dir's disk. Stages that are
+    done are left out; a path that is not a project gives none (validate reports it otherwise)."""
+    from pathlib import Path
+
+    from longspec_cli.core.manifest import load_manifest
+    from longspec_cli.core.problem import Problem
+    from longspec_cli.core.status import project_status
+    from longspec_cli.errors import LongspecError
+    from longspec_cli.launch import argv as A
+    from longspec_cli.launch import pipeline
+
+    path = Path(path)
+    if not (path / "longspec.yaml").is_file() and path.name != "longspec.yaml":
+        return []
+    try:
+        manifest = load_manifest(path)
+        states = {s.name: s.state for s in project_status(manifest)}
+    except LongspecError:
+        return []
+    todo = [pipeline.StagePlan(spec, "start") for spec in manifest.stages if states.get(spec.name) != "done"]
+    res = A.Resources(cpu=True, ranks_per_node=max(1, manifest.launch.gpus), nodes=max(1, manifest.launch.nodes))
+    out = []
+    for p, _, warning in pipeline.disk_reports(manifest, todo, [], res):
+        if warning:
+            out.append(Problem("warning", str(p.spec.config), None, "output_dir", f"stage {p.spec.name}: {warning}",
+                               "`longspec run` refuses to start it without --force"))
+    return out
