@@ -1,13 +1,21 @@
 """`longspec run --slurm`: an sbatch script that starts one DeepSpeed per-node launcher per node.
 
 Inside the allocation there is no ssh/pdsh fan-out: `srun` starts one task per node, and each
-task runs `python -m deepspeed.launcher.launch` (DeepSpeed's per-node launcher) with
+task runs `python -m longspec.nodelaunch` (DeepSpeed's per-node launcher, made patient with stop
+signals: longspec/nodelaunch.py) with
   --world_info   urlsafe-base64 JSON {host: [slot, ...]} over the job's hosts, in node order
   --node_rank    $SLURM_NODEID of that task
   --master_addr  the first host of `scontrol show hostnames $SLURM_JOB_NODELIST`
   --master_port  one port for the job
 which is exactly what DeepSpeed's runner passes each node itself (deepspeed/launcher/runner.py).
 Between stages the script runs `longspec next-stage` (verify the draft, chain the next config).
+
+Preemption and time limits: `#SBATCH --signal=USR1@S` has SLURM send SIGUSR1 to every process
+of the running step S seconds before the time limit; the ranks save a checkpoint and exit 5
+(longspec/preempt.py). A preempting scheduler sends SIGTERM, which does the same. On exit code 5
+(or a `preempted` event as the stage's last lifecycle record) the script requeues its own job
+(`#SBATCH --requeue`, `scontrol requeue`): the new run skips finished stages and resumes the
+preempted one from its checkpoint by itself.
 """
 
 from __future__ import annotations
@@ -19,7 +27,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-NODE_LAUNCHER = "deepspeed.launcher.launch"
+NODE_LAUNCHER = "longspec.nodelaunch"
+EXIT_PREEMPTED = 5  # longspec/preempt.py (the CLI never imports the trainer)
+SIGNAL_AHEAD_S = 300  # SIGUSR1 this long before the time limit: time for one step and one save
 # The per-node part: the only text here that is not an argv element. "$@" carries every argument.
 _NODE_EXEC = 'exec "$LONGSPEC_PYTHON" -u -m ' + NODE_LAUNCHER + ' --node_rank="$SLURM_NODEID" "$@"'
 _WORLD_INFO_PY = ("import base64,json,sys; n=int(sys.argv[1]); "
@@ -50,7 +60,8 @@ class SlurmStage:
 
 def sbatch_script(*, project: Path, job_name: str, nodes: int, gpus_per_node: int, stages: list[SlurmStage],
                   master_port: int = 29500, cpu: bool = False, python: str | None = None,
-                  extra_sbatch: list[str] | None = None, command_line: str | None = None) -> str:
+                  extra_sbatch: list[str] | None = None, command_line: str | None = None,
+                  signal_ahead_s: int = SIGNAL_AHEAD_S) -> str:
     """The batch script text. Every value that comes from the user is shell-quoted."""
     q = shlex.quote
     py = python or sys.executable
@@ -63,6 +74,9 @@ def sbatch_script(*, project: Path, job_name: str, nodes: int, gpus_per_node: in
     if not cpu:
         out.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
     out.append(f"#SBATCH --output={project}/slurm-%j.out")
+    out.append(f"#SBATCH --signal=USR1@{int(signal_ahead_s)}")
+    out.append("#SBATCH --requeue")
+    out.append("#SBATCH --open-mode=append")
     out += [f"#SBATCH {line}" for line in (extra_sbatch or [])]
     out += ["set -euo pipefail",
             f"cd {q(str(project))}",
@@ -74,18 +88,29 @@ def sbatch_script(*, project: Path, job_name: str, nodes: int, gpus_per_node: in
             "# DeepSpeed's world info over the job's hosts: {host: [0..slots-1]} as urlsafe base64 JSON",
             f'WORLD_INFO="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | "$LONGSPEC_PYTHON" -c '
             f'{q(_WORLD_INFO_PY)} {gpus_per_node})"',
-            "export MASTER_ADDR MASTER_PORT WORLD_INFO", ""]
+            "export MASTER_ADDR MASTER_PORT WORLD_INFO",
+            "# A stage that saved a checkpoint on a stop signal: requeue this job; it resumes there.",
+            "requeue_if_preempted() {",
+            '  if [ "$1" -eq ' + str(EXIT_PREEMPTED) + ' ] || { [ "$1" -ne 0 ] && tail -n 50 "$2/metrics.jsonl" 2>/dev/null '
+            "| grep '\"event\":' | tail -n 1 | grep -q '\"event\":\"preempted\"'; }; then",
+            '    echo "stage in $2 was preempted after saving a checkpoint; requeueing job $SLURM_JOB_ID" >&2',
+            '    scontrol requeue "$SLURM_JOB_ID"',
+            "    exit 0",
+            "  fi",
+            "}", ""]
     for st in stages:
         log = st.output_dir / "train.log"
         done = st.output_dir / "stage_complete.json"
         out += [f"# ---- stage {st.name}",
                 f"mkdir -p {q(str(st.output_dir))}",
+                "rc=0",
                 f"srun --nodes={nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 "
                 f"--output={q(str(log))} --open-mode=append \\",
                 f"  bash -c {q(_NODE_EXEC)} node-launch \\",
                 '  "--world_info=$WORLD_INFO" "--master_addr=$MASTER_ADDR" "--master_port=$MASTER_PORT" '
                 "--no_local_rank \\",
-                "  " + " ".join(q(a) for a in st.trainer),
+                "  " + " ".join(q(a) for a in st.trainer) + " || rc=$?",
+                f"requeue_if_preempted \"$rc\" {q(str(st.output_dir))}",
                 f"test -f {q(str(done))} || {{ echo {q(f'stage {st.name} did not finish (no stage_complete.json); see ' + str(log))} >&2; exit 4; }}"]
         if st.chain_to:
             out.append(f'"$LONGSPEC_PYTHON" -m longspec_cli next-stage {q(str(project))} --to {q(st.chain_to)}')

@@ -192,7 +192,7 @@ def test_node_launch_argv_is_accepted_by_deepspeeds_per_node_launcher(monkeypatc
 
     argv = S.node_launch_argv({"a": [0], "b": [0]}, 1, "127.0.0.1", 29511,
                               A.trainer_args(Path("/p/conf"), "base", Path("/p/runs/base"), ["seed=1"]))
-    assert argv[1:4] == ["-u", "-m", "deepspeed.launcher.launch"]
+    assert argv[1:4] == ["-u", "-m", "longspec.nodelaunch"]  # DeepSpeed's launcher, patient with signals
     monkeypatch.setattr(sys, "argv", ["launch", *argv[4:]])
     ns = launch.parse_args()
     assert (ns.node_rank, ns.master_port, ns.module, ns.no_local_rank, ns.training_script) == \
@@ -215,7 +215,9 @@ def test_sbatch_script(tmp_path):
         assert want in lines
     assert 'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"' in text
     assert text.count("srun --nodes=4 --ntasks-per-node=1") == 2
-    assert '--node_rank="$SLURM_NODEID"' in text and "-m deepspeed.launcher.launch" in text
+    assert '--node_rank="$SLURM_NODEID"' in text and "-m longspec.nodelaunch" in text
+    assert "#SBATCH --signal=USR1@300" in lines and "#SBATCH --requeue" in lines
+    assert text.count('requeue_if_preempted "$rc"') == 2 and 'scontrol requeue "$SLURM_JOB_ID"' in text
     assert '"--world_info=$WORLD_INFO" "--master_addr=$MASTER_ADDR" "--master_port=$MASTER_PORT"' in text
     assert "+exp=base" in text and "max_steps=7" in text
     assert "next-stage" in text and "--to long" in text
@@ -260,3 +262,27 @@ def test_deepspeed_missing_is_one_sentence_about_the_train_extra(tmp_path):
             "    print(e.message); print(e.hint)\n") % str(ROOT)
     out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True).stdout
     assert "not installed" in out and "pip install 'longspec[train]'" in out
+
+
+@pytest.mark.parametrize("rc, last_event, requeued", [
+    (5, "start", True),        # the ranks' preempted exit code
+    (137, "preempted", True),  # srun reports a killed task, but the stage saved and said so
+    (1, "error", False), (0, "end", False),
+])
+def test_sbatch_requeues_a_preempted_stage_and_nothing_else(tmp_path, rc, last_event, requeued):
+    text = S.sbatch_script(project=tmp_path, job_name="x", nodes=1, gpus_per_node=1, stages=[])
+    start = text.index("requeue_if_preempted() {")
+    func = text[start:text.index("\n}\n", start) + 3]
+    (tmp_path / "metrics.jsonl").write_text(f'{{"event":"start","step":0}}\n{{"step":3}}\n'
+                                            f'{{"event":"{last_event}","step":3}}\n')
+    (tmp_path / "scontrol").write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/requeue\n')
+    (tmp_path / "scontrol").chmod(0o755)
+    res = subprocess.run(["bash", "-c", f"{func}\nrequeue_if_preempted {rc} {tmp_path}; echo next-stage"],
+                         capture_output=True, text=True,
+                         env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_ID": "42"})
+    assert (tmp_path / "requeue").is_file() == requeued, res.stderr
+    if requeued:
+        assert (tmp_path / "requeue").read_text().split() == ["requeue", "42"]
+        assert "next-stage" not in res.stdout  # the job ends here; the requeued job carries on
+    else:
+        assert "next-stage" in res.stdout
