@@ -23,7 +23,8 @@ app = typer.Typer(
     epilog=(
         "Quick start: [bold]longspec init my-proj --preset tiny --no-input[/] then "
         "[bold]longspec validate my-proj[/] and [bold]longspec run my-proj --all[/]. "
-        "Exit codes: 0 ok, 1 problems/refused, 2 usage, 3 unreadable input, 4 run failed, 130 interrupted."
+        "Exit codes: 0 ok, 1 problems/refused, 2 usage, 3 unreadable input, 4 run failed, 5 preempted "
+        "(checkpoint saved), 130 interrupted."
     ),
 )
 

@@ -317,12 +317,13 @@ def run_deep_check(draft: Path, target: Path | None, sha: str | None, timeout: f
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
-        raise InputError(f"checking {draft} took over {timeout:.0f} s", hint="use --no-deep to skip the load check")
+        raise InputError(f"checking {draft} took over {timeout:.0f} s",
+                         hint="`longspec next-stage --no-deep` chains without the load check")
     report = _last_json(proc.stdout)
     if report is None:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise InputError(f"could not check {draft}: the checker exited {proc.returncode}: {' / '.join(tail)}",
-                         hint="use --no-deep to skip the load check")
+                         hint="`longspec next-stage --no-deep` chains without the load check")
     if not report.get("loadable"):
         raise InputError(f"{draft} cannot be loaded with weights_only=True: {report.get('error')}",
                          hint="a corrupt or unsafe checkpoint; re-run the stage that made it")

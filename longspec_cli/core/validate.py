@@ -103,8 +103,8 @@ def _check_fragment(c: Composed, d: str, ctx: Context, problems: list[Problem]) 
 
 
 def validate_file(path: Path, world_size: int | None = None, cache: dict | None = None,
-                  overrides: list[str] = ()) -> Report:
-    world, src = (world_size, "--world-size") if world_size else (DEFAULT_WORLD, "default")
+                  overrides: list[str] = (), world_from: str | None = None) -> Report:
+    world, src = (world_size, world_from or "--world-size") if world_size else (DEFAULT_WORLD, "default")
     ctx = Context(base_dir=Path.cwd(), world=world, world_from=src)
     c = compose_stage(path, list(overrides))
     problems, summary = _check_file(c, ctx)
@@ -116,7 +116,8 @@ def validate_file(path: Path, world_size: int | None = None, cache: dict | None 
 # ---------------------------------------------------------------- projects
 
 def validate_project(root: Path, world_size: int | None = None, cache: dict | None = None,
-                     only: Path | None = None, overrides: list[str] = ()) -> Report:
+                     only: Path | None = None, overrides: list[str] = (),
+                     world_from: str | None = None) -> Report:
     """Every stage of the project at `root` (only the stage whose config is `only`, if given)."""
     from longspec_cli.core.manifest import load_manifest
 
@@ -129,7 +130,7 @@ def validate_project(root: Path, world_size: int | None = None, cache: dict | No
         return rep
     cache = {} if cache is None else cache
     if world_size:
-        world, src = world_size, "--world-size"
+        world, src = world_size, world_from or "--world-size"
     else:
         world, src = m.launch.gpus * m.launch.nodes, f"launch: {m.launch.gpus} GPUs x {m.launch.nodes} nodes"
     problems = manifest_checks(m) if only is None else []
@@ -168,9 +169,10 @@ def _stage_files(folder: Path) -> list[Path]:
 
 
 def validate_paths(paths: list[str | os.PathLike], world_size: int | None = None,
-                   overrides: list[str] = ()) -> Report:
+                   overrides: list[str] = (), world_from: str | None = None) -> Report:
     """Validate every PATH (each stage composed with `overrides`, as `run` passes them to the trainer);
-    UsageError (exit 2) for a path that does not exist."""
+    UsageError (exit 2) for a path that does not exist. `world_from` says where `world_size` came
+    from, in the caller's flags (default: validate's --world-size)."""
     if world_size is not None and world_size < 1:
         raise UsageError(f"--world-size must be at least 1, got {world_size}")
     items = [Path(p) for p in paths]
@@ -183,7 +185,7 @@ def validate_paths(paths: list[str | os.PathLike], world_size: int | None = None
     for p in items:
         if p.is_dir():
             if (p / "longspec.yaml").is_file():
-                sub = validate_project(p, world_size, cache, overrides=overrides)
+                sub = validate_project(p, world_size, cache, overrides=overrides, world_from=world_from)
             else:
                 files = _stage_files(p)
                 if not files:
@@ -191,16 +193,17 @@ def validate_paths(paths: list[str | os.PathLike], world_size: int | None = None
                                      hint="give a project folder made by `longspec init`, or a stage YAML")
                 sub = Report()
                 for f in files:
-                    _merge_reports(sub, validate_file(f, world_size, cache, overrides))
+                    _merge_reports(sub, validate_file(f, world_size, cache, overrides, world_from))
         elif p.name == "longspec.yaml":
-            sub = validate_project(p.parent, world_size, cache, overrides=overrides)
+            sub = validate_project(p.parent, world_size, cache, overrides=overrides, world_from=world_from)
         else:
-            sub = _validate_stage_file(p, world_size, cache, overrides)
+            sub = _validate_stage_file(p, world_size, cache, overrides, world_from)
         _merge_reports(rep, sub)
     return rep
 
 
-def _validate_stage_file(p: Path, world_size: int | None, cache: dict, overrides: list[str] = ()) -> Report:
+def _validate_stage_file(p: Path, world_size: int | None, cache: dict, overrides: list[str] = (),
+                         world_from: str | None = None) -> Report:
     project = _project_of(p)
     if project is not None:
         try:
@@ -210,8 +213,9 @@ def _validate_stage_file(p: Path, world_size: int | None, cache: dict, overrides
         except LongspecError:
             listed = False
         if listed:
-            return validate_project(project, world_size, cache, only=p, overrides=overrides)
-    return validate_file(p, world_size, cache, overrides)
+            return validate_project(project, world_size, cache, only=p, overrides=overrides,
+                                    world_from=world_from)
+    return validate_file(p, world_size, cache, overrides, world_from)
 
 
 def _merge_reports(into: Report, other: Report) -> None:

@@ -234,7 +234,8 @@ def _in_scope(manifest: Manifest, plans: list[StagePlan], req: RunRequest) -> li
 # ---------------------------------------------------------------------------------- preflight
 
 def validation_problems(manifest: Manifest, plans: list[StagePlan], world: int,
-                        only: StagePlan | None = None, overrides: list[str] = ()) -> list[Any]:
+                        only: StagePlan | None = None, overrides: list[str] = (),
+                        world_from: str = "--gpus x --num-nodes") -> list[Any]:
     """Errors and warnings for the stages that will run (the manifest's own included).
 
     Each stage is composed with the command line's overrides, as the trainer will compose it.
@@ -246,7 +247,7 @@ def validation_problems(manifest: Manifest, plans: list[StagePlan], world: int,
     # Stages whose upstream runs first get their draft key from the chain: ignore it until then.
     chained_later = set() if only else {str(p.spec.config) for p in targets
                                         if p.spec.draft_from in {q.spec.name for q in targets}}
-    rep = validate_paths([manifest.root], world_size=world, overrides=list(overrides))
+    rep = validate_paths([manifest.root], world_size=world, overrides=list(overrides), world_from=world_from)
     out = []
     for prob in rep.problems:
         if prob.file is not None and prob.file not in configs and prob.file != str(manifest.path):
@@ -255,6 +256,12 @@ def validation_problems(manifest: Manifest, plans: list[StagePlan], world: int,
             continue
         out.append(prob)
     return out
+
+
+def world_label(res: A.Resources) -> str:
+    """Where `run`'s world size comes from, in `run`'s own flags (validate's say --world-size)."""
+    per = "CPU ranks" if res.cpu else "GPUs"
+    return f"{res.ranks_per_node} {per} per node (--gpus) x {res.nodes} node(s) (--num-nodes)"
 
 
 def stage_shape(manifest: Manifest, spec: StageSpec, overrides: list[str], res: A.Resources) -> M.StageShape | None:
@@ -424,7 +431,8 @@ def run_request(req: RunRequest, console: Console | None = None) -> list[StageOu
                                               else "no stage in scope"))
         return [_outcome(p.spec, "skip", "skipped") for p in plans]
 
-    problems = validation_problems(manifest, plans, res.world_size, overrides=req.overrides)
+    problems = validation_problems(manifest, plans, res.world_size, overrides=req.overrides,
+                                   world_from=world_label(res))
     req.checked = {str(p.spec.config): file_state(p.spec.config) for p in todo}
     errors = _report_problems(problems, console)
     if not req.dry_run:
@@ -640,7 +648,8 @@ def run_one(manifest: Manifest, p: StagePlan, placement: A.Placement, res: A.Res
     if spec.draft_from:
         _chain_into(manifest, spec, console, chain, deep=False if _draft_measured(manifest, spec) else None)
     if req.checked.get(str(spec.config)) != file_state(spec.config):  # chained (or edited) since the preflight
-        problems = validation_problems(manifest, [p], res.world_size, only=p, overrides=req.overrides)
+        problems = validation_problems(manifest, [p], res.world_size, only=p, overrides=req.overrides,
+                                       world_from=world_label(res))
         if _report_problems([q for q in problems if q.severity == "error"], console) and not req.force:
             raise RefusedError(f"stage {spec.name}: validation errors; not started",
                                hint="fix them, or pass --force to launch anyway")
