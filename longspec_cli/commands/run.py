@@ -26,8 +26,14 @@ EPILOG = """Examples:
 Without STAGE and --all: the next stage that is not done. A finished stage whose config and
 input draft are unchanged is skipped; an interrupted one resumes from its newest checkpoint.
 Without a visible GPU the run uses DeepSpeed's CPU accelerator (--gpus ranks, default 1).
-Exit codes: 0 done, 1 refused (validation errors, stage running), 2 usage (bad flag or
-override), 4 a stage failed, 130 interrupted (no process is left behind).
+Before launching, the checkpoints (save_total_limit + 1 at the peak) and final weights of each
+stage are estimated against the free space of its output_dir's disk: too little refuses the
+run unless --force (--dry-run prints the figure).
+Ctrl-C (or SIGTERM to `longspec run`): the ranks finish their optimizer step, save a checkpoint
+and stop; a second Ctrl-C stops at once, without saving.
+Exit codes: 0 done, 1 refused (validation errors, stage running, too little disk space), 2 usage
+(bad flag or override), 4 a stage failed (a full disk included), 5 preempted (a stop signal from
+outside saved a checkpoint; rerun to resume), 130 interrupted (no process is left behind).
 
 --gate P evaluates each stage when it finishes (as `longspec eval`: its draft and its upstream
 stage's draft on the same held-out prompts) and stops before the next stage, exit 1, when its
@@ -49,7 +55,8 @@ def run(
                                                show_default=False, metavar="[STAGE] [KEY=VALUE]..."),
     all_: bool = typer.Option(False, "--all", help="Run the remaining stages in order, chaining each draft."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the commands and memory estimates; start nothing."),
-    force: bool = typer.Option(False, "--force", help="Launch despite validation errors; re-run a finished STAGE."),
+    force: bool = typer.Option(False, "--force", help="Launch despite validation errors or too little disk "
+                               "space; re-run a finished STAGE."),
     gpus: Optional[int] = typer.Option(None, "--gpus", help="GPUs (CPU: ranks) per node."),
     include: Optional[str] = typer.Option(None, "--include", help="DeepSpeed resource filter, e.g. localhost:0,2."),
     hostfile: Optional[Path] = typer.Option(None, "--hostfile", help="DeepSpeed hostfile (`HOST slots=N` lines)."),

@@ -88,5 +88,7 @@ def write_failure(path: str | os.PathLike, output_dir: str | os.PathLike, exc: B
         if isinstance(e, OSError) and e.errno not in _SPACE_ERRNOS and e.strerror:
             reason = e.strerror
             break
-    return (f"could not write {path}: {reason} ({human(free)} free on {existing_parent(path)})\n"
+    where = existing_parent(path)
+    where = where.parent if where.is_file() else where
+    return (f"could not write {path}: {reason} ({human(free)} free on {where})\n"
             f"{resume_sentence(output_dir)}")

@@ -668,7 +668,7 @@ def run_one(manifest: Manifest, p: StagePlan, placement: A.Placement, res: A.Res
         raise LongspecError(f"stage {spec.name} {how} {what}; no process of it is left",
                             hint=f"`longspec run {manifest.root}` resumes it from its newest checkpoint",
                             exit_code=INTERRUPTED)
-    if result.returncode == PREEMPTED and saved:
+    if result.returncode != 0 and saved:  # 5 from the ranks, or -15: SIGTERM reached the launcher too
         raise LongspecError(f"stage {spec.name} was preempted ({saved.get('signal') or 'a stop signal'}) at step "
                             f"{saved['step']} and saved checkpoint-{saved['step']}; the next stage was not started",
                             hint=f"`longspec run {manifest.root}` resumes it from step {saved['step']}",

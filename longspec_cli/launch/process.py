@@ -324,9 +324,12 @@ def run_stage_process(cmd: LaunchCommand, output_dir: Path, stage: str, override
     echo = Echo(stream, quiet=quiet)
     env = {**os.environ, **cmd.env}
 
-    with open(log_path, "ab") as log:
-        log.write(f"\n===== longspec run {stage} {utc_now()} =====\n$ {cmd.shell()}\n".encode())
-        log.flush()
+    with open(log_path, "ab", buffering=0) as log:  # unbuffered: nothing left to fail at close
+        try:
+            log.write(f"\n===== longspec run {stage} {utc_now()} =====\n$ {cmd.shell()}\n".encode())
+            log.flush()
+        except OSError as e:
+            _write_failed(log_path, output_dir, e)
         start_offset = log.tell()
         t0 = time.monotonic()
         with _Interrupts() as intr:
@@ -344,10 +347,10 @@ def run_stage_process(cmd: LaunchCommand, output_dir: Path, stage: str, override
             }
             try:
                 atomic_write_json(output_dir / runfolder.RUN_INFO, info)
-            except OSError:
+            except OSError as e:
                 terminate_group(proc.pid, grace_int=1.0, grace_term=1.0, reap=proc.poll)
                 proc.wait()
-                raise  # the CLI's error boundary reports the full disk (exit 4)
+                _write_failed(output_dir / runfolder.RUN_INFO, output_dir, e)
             result = _follow(proc, log_path, start_offset, output_dir, stage, echo, intr,
                              grace_int=grace_int, grace_term=grace_term)
             ended_unix = time.time()
@@ -368,6 +371,15 @@ def run_stage_process(cmd: LaunchCommand, output_dir: Path, stage: str, override
     except OSError as e:  # a full disk: the outcome is still reported; run.json keeps its start record
         result.log_tail.append(f"(run.json not updated: {e.strerror or e})")
     return result
+
+
+def _write_failed(path: Path, output_dir: Path, e: OSError) -> None:
+    """One of the launcher's own writes failed: say which, the free space and the resume point (exit 4)."""
+    from longspec_cli.core import diskspace
+    from longspec_cli.errors import RunFailed
+
+    raise RunFailed(diskspace.write_failure(path, output_dir, e),
+                    hint="free some space (or point output_dir elsewhere) and run again") from None
 
 
 def _follow(proc: subprocess.Popen, log_path: Path, offset: int, output_dir: Path, stage: str,
@@ -407,7 +419,11 @@ def _follow(proc: subprocess.Popen, log_path: Path, offset: int, output_dir: Pat
         pump()
         time.sleep(POLL_S)
     proc.wait()
-    # The leader is gone; its ranks may still be unwinding. Nothing of the group may outlive us.
+    # The leader is gone; its ranks may still be unwinding, or saving a checkpoint: a SIGTERM to
+    # the whole group (a scheduler) ends DeepSpeed's runner at once, while the ranks save. Let
+    # the ranks finish (DeepSpeed's per-node launcher gives them 30 s), then nothing may outlive us.
+    if trainer_ranks(proc.pid):
+        wait_group(proc.pid, SAVE_TIMEOUT_S, reap=pump, skip=intr.new)
     if group_members(proc.pid):
         terminate_group(proc.pid, grace_int=grace_int if not interrupted else 0.5, grace_term=grace_term,
                         skip=intr.new)

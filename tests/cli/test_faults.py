@@ -1,0 +1,193 @@
+"""Faults at run time lose nothing and say what happened: preemption, stop, a full disk.
+
+Real launches through `longspec run` (DeepSpeed's launcher, the trainer, the tiny preset on CPU):
+- a SIGTERM to the whole process tree (what a scheduler sends) saves the step in progress and
+  exits 5; status shows the stage as preempted and resumable; the rerun resumes from that step;
+  `longspec stop` saves and stops; `longspec stop --now` stops without saving;
+- a second SIGTERM to a rank exits at once, without a checkpoint;
+- a full disk (a small tmpfs, root only) gives one message with path, free space and the
+  checkpoint a rerun resumes from, exit 4, no half-written checkpoint; with space freed the rerun
+  resumes from it. Before that, the disk preflight warns (validate) and refuses (run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from longspec_cli.core import runfolder
+from longspec_cli.launch import process as P
+from tests.cli.test_run import LONGSPEC, ROOT, cli, cpu_env, flat, last_step, wait_for
+
+STEPS = ["max_steps=200", "save_steps=1000"]  # no periodic save: every checkpoint here is a stop's
+
+
+def tiny(tmp_path: Path) -> Path:
+    root = tmp_path / "tiny"
+    res = cli("init", str(root), "--preset", "tiny", "--no-input", timeout=900)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return root
+
+
+def start(proj: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([*LONGSPEC, "run", str(proj), "base", *STEPS, "--quiet", *extra], cwd=ROOT,
+                            env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def checkpoint_steps(out: Path) -> list[int]:
+    return [c.step for c in runfolder.RunDir(out).checkpoints()]
+
+
+def lifecycle(out: Path) -> list[dict]:
+    return [e for e in runfolder.RunDir(out).events() if e["event"] in ("start", "resume", "preempted", "end")]
+
+
+@pytest.mark.slow
+def test_sigterm_saves_the_step_stop_saves_stop_now_does_not_and_each_rerun_resumes(tmp_path):
+    proj = tiny(tmp_path)
+    out = proj / "runs" / "base"
+
+    # 1. SIGTERM to every process of the run (runner, launcher, rank), as a scheduler sends it.
+    run = start(proj)
+    n = wait_for(lambda: last_step(out) >= 3 or run.poll() is not None, 600, "step 3")
+    assert run.poll() is None, run.communicate()
+    pgid = json.loads((out / "run.json").read_text())["pgid"]
+    os.killpg(pgid, signal.SIGTERM)
+    stdout, stderr = run.communicate(timeout=120)
+    assert run.returncode == 5, stdout[-2000:] + stderr[-2000:]
+    assert P.group_members(pgid) == []
+    pre = lifecycle(out)[-1]
+    assert pre["event"] == "preempted" and pre["signal"] == "SIGTERM"
+    n = pre["step"]
+    assert last_step(out) == n and checkpoint_steps(out) == [n]  # the step in progress, finished and saved
+    assert f"resumes it from step {n}" in flat(stderr)
+    status = json.loads(cli("status", str(proj), "--json").stdout)
+    base = next(s for s in (status["stages"] if isinstance(status, dict) else status) if s["name"] == "base")
+    assert (base["state"], base["action"], base["resume_step"]) == ("preempted", "resume", n)
+
+    # 2. The rerun resumes from N; `longspec stop` saves the step in progress and stops it.
+    run = start(proj)
+    wait_for(lambda: last_step(out) >= n + 2 or run.poll() is not None, 600, f"step {n + 2}")
+    res = cli("stop", str(proj), timeout=300)
+    assert res.returncode == 0 and "checkpoint saved" in res.stdout, res.stdout + res.stderr
+    stdout, stderr = run.communicate(timeout=120)
+    assert run.returncode == 130, stdout[-2000:] + stderr[-2000:]
+    events = lifecycle(out)
+    assert events[-2]["event"] == "resume" and events[-2]["step"] == n
+    m = events[-1]["step"]
+    assert events[-1]["event"] == "preempted" and m >= n + 2 and checkpoint_steps(out)[-1] == m
+
+    # 3. `longspec stop --now` stops without a save: no new checkpoint, no preempted event.
+    run = start(proj)
+    wait_for(lambda: last_step(out) >= m + 2 or run.poll() is not None, 600, f"step {m + 2}")
+    res = cli("stop", str(proj), "--now", timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    run.communicate(timeout=120)
+    assert run.returncode == 130
+    assert checkpoint_steps(out)[-1] == m
+    last = lifecycle(out)[-1]
+    assert (last["event"], last["step"]) == ("resume", m)
+
+
+@pytest.mark.slow
+def test_a_second_sigterm_exits_at_once_without_a_checkpoint(tmp_path):
+    proj = tiny(tmp_path)
+    out = proj / "runs" / "base"
+    env = {**cpu_env(), "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
+    log = open(tmp_path / "train.log", "w+")
+    rank = subprocess.Popen([sys.executable, "-u", "-m", "longspec.train", "--config-dir", str(proj / "conf"),
+                             "+exp=base", *STEPS], cwd=proj, env=env, stdout=log, stderr=subprocess.STDOUT)
+    # The stop-signal watcher is installed before DeepSpeed is imported; its accelerator line follows.
+    wait_for(lambda: "accelerator" in (tmp_path / "train.log").read_text() or rank.poll() is not None, 300,
+             "DeepSpeed's import")
+    rank.send_signal(signal.SIGTERM)
+    time.sleep(2.5)  # past the window in which a copy forwarded by a launcher counts as the same
+    assert rank.poll() is None, (tmp_path / "train.log").read_text()[-2000:]
+    t0 = time.monotonic()
+    rank.send_signal(signal.SIGTERM)
+    code = rank.wait(timeout=30)
+    took = time.monotonic() - t0
+    text = (tmp_path / "train.log").read_text()
+    assert code == 130 and took < 5, (code, took, text[-2000:])
+    assert "second stop signal" in text and "without saving" in text
+    assert checkpoint_steps(out) == [] and not list(out.glob("checkpoint-*"))
+
+
+@contextlib.contextmanager
+def small_disk(folder: Path, size: str):
+    """`folder` as a tmpfs of `size` for the duration (root only; skipped with the reason otherwise)."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root to mount a small tmpfs (mount -t tmpfs -o size=...)")
+    folder.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+def test_disk_preflight_warns_in_validate_refuses_run_and_shows_in_dry_run(tmp_path):
+    proj = tiny(tmp_path)
+    steps = ["max_steps=6", "save_steps=2"]
+    res = cli("run", str(proj), "base", *steps, "--dry-run", env=cpu_env())
+    line = next(x for x in res.stdout.splitlines() if x.startswith("# disk estimate:"))
+    assert res.returncode == 0 and "(3 checkpoint(s) x 1.1 MiB + final weights" in line and "free on the disk" in line
+    with small_disk(proj / "runs", "1500k"):
+        res = cli("validate", str(proj))
+        assert res.returncode == 0 and "would fail part-way" in flat(res.stdout), res.stdout
+        res = cli("run", str(proj), "base", *steps, env=cpu_env())
+        assert res.returncode == 1 and "not enough free disk space" in flat(res.stderr), res.stderr
+        assert not (proj / "runs" / "base").exists()  # nothing started
+
+
+def test_the_clis_own_write_on_a_full_disk_is_reported_exit_4(tmp_path):
+    proj = tiny(tmp_path)
+    with small_disk(proj / "runs", "64k") as runs:
+        (runs / "filler").write_bytes(b"x" * 60_000)
+        (runs / "base").mkdir()
+        while True:  # fill the last blocks
+            try:
+                with open(runs / "filler", "ab") as f:
+                    f.write(b"x" * 4096)
+            except OSError:
+                break
+        res = cli("run", str(proj), "base", "--force", env=cpu_env(), timeout=300)
+    assert res.returncode == 4, res.stdout[-2000:] + res.stderr[-2000:]
+    err, packed = flat(res.stderr), "".join(flat(res.stderr).split())  # the panel wraps long paths
+    assert "Traceback" not in res.stderr and f"couldnotwrite{runs}/base/train.log" in packed, res.stderr
+    assert "no complete checkpoint yet: a rerun starts from step 0" in err
+
+
+@pytest.mark.slow
+def test_a_full_disk_says_where_and_what_a_rerun_resumes_from(tmp_path):
+    proj = tiny(tmp_path)
+    with small_disk(proj / "runs", "1500k") as runs:
+        out = runs / "base"
+        steps = ["max_steps=6", "save_steps=2"]  # one checkpoint is ~1.1 MiB: the second cannot fit
+        res = cli("run", str(proj), "base", *steps, "--force", "--quiet", env=cpu_env(), timeout=600)
+        err = flat(res.stderr)
+        assert res.returncode == 4, res.stdout[-2000:] + res.stderr[-2000:]
+        assert "Traceback" not in res.stdout + res.stderr
+        packed = "".join(err.split())  # the panel wraps long paths
+        assert f"couldnotwrite{out}/checkpoint-4" in packed and "freeon" in packed
+        assert f"lastcompletecheckpoint:{out}/checkpoint-2(step2);arerunresumesfromit" in packed
+        assert checkpoint_steps(out) == [2] and sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
+        assert not (out / "stage_complete.json").exists() and not (out / "draft_model_weights.pth").exists()
+
+        subprocess.run(["mount", "-o", "remount,size=32m", str(runs)], check=True)
+        res = cli("run", str(proj), "base", *steps, "--quiet", env=cpu_env(), timeout=600)
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+        assert [e["step"] for e in lifecycle(out) if e["event"] == "resume"] == [2]
+        assert json.loads((out / "stage_complete.json").read_text())["steps"] == 6
