@@ -26,6 +26,7 @@ import pytest
 
 from longspec_cli.core import runfolder
 from longspec_cli.launch import process as P
+from longspec_cli.launch.pipeline import ops_build_dir
 from tests.cli.test_run import LONGSPEC, ROOT, cli, cpu_env, flat, last_step, wait_for
 
 STEPS = ["max_steps=200", "save_steps=1000"]  # no periodic save: every checkpoint here is a stop's
@@ -98,17 +99,27 @@ def test_sigterm_saves_the_step_stop_saves_stop_now_does_not_and_each_rerun_resu
     assert (last["event"], last["step"]) == ("resume", m)
 
 
+def sigterm_blocked(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next((int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigBlk:")), 0)
+    return bool(mask & (1 << (signal.SIGTERM - 1)))
+
+
 @pytest.mark.slow
 def test_a_second_sigterm_exits_at_once_without_a_checkpoint(tmp_path):
     proj = tiny(tmp_path)
     out = proj / "runs" / "base"
-    env = {**cpu_env(), "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
+    env = {**cpu_env(), "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT),
+           "TORCH_EXTENSIONS_DIR": ops_build_dir()}  # the ops `longspec run` built already
     log = open(tmp_path / "train.log", "w+")
     rank = subprocess.Popen([sys.executable, "-u", "-m", "longspec.train", "--config-dir", str(proj / "conf"),
                              "+exp=base", *STEPS], cwd=proj, env=env, stdout=log, stderr=subprocess.STDOUT)
-    # The stop-signal watcher is installed before DeepSpeed is imported; its accelerator line follows.
-    wait_for(lambda: "accelerator" in (tmp_path / "train.log").read_text() or rank.poll() is not None, 300,
-             "DeepSpeed's import")
+    # The watcher blocks SIGTERM in the rank (it takes it with sigwaitinfo) before torch is
+    # imported: once /proc shows it blocked, the first step is many seconds of set-up away.
+    wait_for(lambda: sigterm_blocked(rank.pid) or rank.poll() is not None, 120, "the stop-signal watcher")
     rank.send_signal(signal.SIGTERM)
     time.sleep(2.5)  # past the window in which a copy forwarded by a launcher counts as the same
     assert rank.poll() is None, (tmp_path / "train.log").read_text()[-2000:]
