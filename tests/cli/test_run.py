@@ -388,7 +388,7 @@ def test_slurm_script_written_by_the_cli(tmp_path):
     assert res.returncode == 0, res.stderr
     text = (proj / "longspec.sbatch").read_text()
     assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=4" in text
-    assert text.count("-m deepspeed.launcher.launch") == 3 and "--to longcot" in text
+    assert text.count("-m longspec.nodelaunch") == 3 and "--to longcot" in text
     assert subprocess.run(["bash", "-n", str(proj / "longspec.sbatch")]).returncode == 0
 
 

@@ -595,9 +595,13 @@ def test_init_project_with_data_and_a_local_target_passes(tmp_path):
     res = runner.invoke(app, ["init", str(tmp_path / "p"), "--preset", "qwq-32b-preview", "--target", str(target),
                               "--no-input", *data])
     assert res.exit_code == 0, res.output
-    res = runner.invoke(app, ["validate", str(tmp_path / "p")])
+    res = runner.invoke(app, ["validate", str(tmp_path / "p"), "--json"])
     assert res.exit_code == 0, res.output
-    assert "0 errors, 0 warnings" in res.output
+    rep = json.loads(res.output)
+    assert rep["errors"] == 0
+    # The one warning a clean project can get depends on this machine: its free disk space against
+    # three stages of 32B-target checkpoints (~29 GiB each).
+    assert all("would fail part-way" in p["message"] for p in rep["problems"]), rep["problems"]
 
 
 # ---------------------------------------------------------------- schema vs the trainer's defaults
