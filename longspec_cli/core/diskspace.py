@@ -1,8 +1,9 @@
 """Free space, failed writes and what a rerun resumes from: one wording for the trainer and the CLI.
 
-A write that fails for want of space shows up as OSError ENOSPC/EDQUOT (Python writes) or as a
-RuntimeError from torch's C++ writer (`PytorchStreamWriter failed writing file`, `basic_ios::clear:
-iostream error`), which carries no errno. `write_failure()` recognises both and words one message:
+A write that fails for want of space shows up as OSError ENOSPC/EDQUOT (Python writes), as a
+RuntimeError from torch's C++ writer (`PytorchStreamWriter failed writing file`, `unexpected pos`,
+`basic_ios::clear: iostream error`), which carries no errno, or as safetensors' SafetensorError
+(`No space left on device (os error 28)`). `write_failure()` recognises both and words one message:
 the path that could not be written, the free space left on its filesystem, and the newest complete
 checkpoint (checkpoint.json present) that a rerun resumes from.
 """
@@ -19,7 +20,7 @@ from longspec_cli.core import runfolder
 _SPACE_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 # torch / DeepSpeed C++ writers: the message is all there is (no errno survives)
 _WRITER_MESSAGES = ("No space left", "file write failed", "iostream error", "PytorchStreamWriter failed",
-                    "Disk quota exceeded")
+                    "unexpected pos", "Disk quota exceeded", "os error 28")
 
 
 def human(n: float | None) -> str:
@@ -59,7 +60,7 @@ def is_write_failure(exc: BaseException) -> bool:
     for e in _chain(exc):
         if isinstance(e, OSError) and e.errno in _SPACE_ERRNOS:
             return True
-        if isinstance(e, RuntimeError) and any(m in str(e) for m in _WRITER_MESSAGES):
+        if not isinstance(e, OSError) and any(m in str(e) for m in _WRITER_MESSAGES):
             return True
     return False
 
