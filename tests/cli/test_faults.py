@@ -6,8 +6,9 @@ Real launches through `longspec run` (DeepSpeed's launcher, the trainer, the tin
   `longspec stop` saves and stops; `longspec stop --now` stops without saving;
 - a second SIGTERM to a rank exits at once, without a checkpoint;
 - a full disk (a small tmpfs, root only) gives one message with path, free space and the
-  checkpoint a rerun resumes from, exit 4, no half-written checkpoint; with space freed the rerun
-  resumes from it. Before that, the disk preflight warns (validate) and refuses (run).
+  checkpoint a rerun resumes from, exit 4, no half-written checkpoint (resuming from a checkpoint
+  is the preemption test's). Before that, the disk preflight warns (validate) and refuses (run);
+  the CLI's own write on a full disk is a panel, exit 4.
 """
 
 from __future__ import annotations
@@ -197,8 +198,3 @@ def test_a_full_disk_says_where_and_what_a_rerun_resumes_from(tmp_path):
         assert checkpoint_steps(out) == [2] and sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
         assert not (out / "stage_complete.json").exists() and not (out / "draft_model_weights.pth").exists()
 
-        subprocess.run(["mount", "-o", "remount,size=32m", str(runs)], check=True)
-        res = cli("run", str(proj), "base", *steps, "--quiet", env=cpu_env(), timeout=600)
-        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-        assert [e["step"] for e in lifecycle(out) if e["event"] == "resume"] == [2]
-        assert json.loads((out / "stage_complete.json").read_text())["steps"] == 6
