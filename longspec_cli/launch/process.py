@@ -92,6 +92,12 @@ def is_trainer_rank(argv: list[str]) -> bool:
     return False
 
 
+def is_node_launcher(argv: list[str]) -> bool:
+    """DeepSpeed's per-node launcher (`python -u -m deepspeed.launcher.launch ...`)."""
+    return any(a == "-m" and i + 1 < len(argv) and argv[i + 1] == "deepspeed.launcher.launch"
+               for i, a in enumerate(argv[:4]))
+
+
 def trainer_ranks(pgid: int) -> list[int]:
     """The training ranks among the live members of process group `pgid`."""
     return [pid for pid in group_members(pgid) if is_trainer_rank(_cmdline(pid))]
@@ -420,9 +426,18 @@ def _follow(proc: subprocess.Popen, log_path: Path, offset: int, output_dir: Pat
         time.sleep(POLL_S)
     proc.wait()
     # The leader is gone; its ranks may still be unwinding, or saving a checkpoint: a SIGTERM to
-    # the whole group (a scheduler) ends DeepSpeed's runner at once, while the ranks save. Let
-    # the ranks finish (DeepSpeed's per-node launcher gives them 30 s), then nothing may outlive us.
+    # the whole group (a scheduler, `kill -TERM -PGID`) ends DeepSpeed's runner at once, while the
+    # ranks save, and DeepSpeed's per-node launcher would SIGKILL them 30 s into that save. So when
+    # a signal ended the runner and ranks remain, end the per-node launcher (its one job left is
+    # that kill), let the ranks finish, then nothing may outlive us.
     if trainer_ranks(proc.pid):
+        if proc.returncode is not None and proc.returncode < 0:
+            for pid in group_members(proc.pid):
+                if is_node_launcher(_cmdline(pid)):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
         wait_group(proc.pid, SAVE_TIMEOUT_S, reap=pump, skip=intr.new)
     if group_members(proc.pid):
         terminate_group(proc.pid, grace_int=grace_int if not interrupted else 0.5, grace_term=grace_term,
