@@ -466,10 +466,12 @@ def run_request(req: RunRequest, console: Console | None = None) -> list[StageOu
     if disk_warnings and not req.force and not req.dry_run:
         raise RefusedError(f"not enough free disk space for {len(disk_warnings)} stage(s); nothing was started",
                            hint="free some space, lower save_total_limit or move output_dir; "
-                                "--force launches anyway")
+                                f"`longspec run {manifest.root} --force` launches anyway")
     if errors and not req.force:
+        # `demo` runs this too and has no --force: the hints name `run`'s.
         raise RefusedError(f"{errors} validation error(s) in the stage(s) to run; nothing was started",
-                           hint="fix them (`longspec validate` lists them), or pass --force to launch anyway")
+                           hint=f"fix them (`longspec validate` lists them), or launch anyway with "
+                                f"`longspec run {manifest.root} --force`")
     if req.dry_run:
         return [_outcome(p.spec, p.action, "not run") for p in plans]
     return execute(manifest, plans, placement, res, req, console)
@@ -652,7 +654,7 @@ def run_one(manifest: Manifest, p: StagePlan, placement: A.Placement, res: A.Res
                                        world_from=world_label(res))
         if _report_problems([q for q in problems if q.severity == "error"], console) and not req.force:
             raise RefusedError(f"stage {spec.name}: validation errors; not started",
-                               hint="fix them, or pass --force to launch anyway")
+                               hint=f"fix them, or launch anyway with `longspec run {manifest.root} --force`")
     conf, exp = exp_location(spec)
     cmd = with_ops_dir(A.build_launch(placement, res, conf, exp, spec.output_dir, req.overrides))
     console.say(f"\n== {spec.name}: {p.action}{' (' + p.reason + ')' if p.reason else ''}\n$ {cmd.shell()}")
