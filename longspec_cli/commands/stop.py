@@ -11,11 +11,11 @@ from longspec_cli.errors import run_cli
 
 EPILOG = """Examples:
 
-  longspec stop demo            stop whichever stage of demo is running
+  longspec stop demo                    save a checkpoint, then stop
 
-  longspec stop demo long --now          stop at once, without saving a checkpoint
+  longspec stop demo long --now         stop at once, without a checkpoint
 
-  longspec stop demo --save-timeout 1800 a large model: allow 30 minutes for the save
+  longspec stop demo --save-timeout 1800
 
 The training ranks get SIGTERM: each finishes its optimizer step, saves a checkpoint and exits
 (`longspec run DIR` later resumes from it). If they have not ended after --save-timeout seconds,
