@@ -198,3 +198,65 @@ def test_a_full_disk_says_where_and_what_a_rerun_resumes_from(tmp_path):
         assert checkpoint_steps(out) == [2] and sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
         assert not (out / "stage_complete.json").exists() and not (out / "draft_model_weights.pth").exists()
 
+
+
+STAND_IN_RANK = """
+import os, signal, sys, time
+from pathlib import Path
+out = Path(sys.argv[1])
+got = []
+
+def on_signal(signo, frame):  # as the trainer: the first asks for a save, a later one ends it now
+    if got and time.monotonic() - got[0][1] > 2.0:
+        os._exit(130)
+    if not got:
+        got.append((signal.Signals(signo).name, time.monotonic()))
+
+for sig in (signal.SIGTERM, signal.SIGUSR1):
+    signal.signal(sig, on_signal)
+(out / "rank.pid").write_text(str(os.getpid()))
+while not got:
+    time.sleep(0.05)
+(out / "rank.got").write_text(got[0][0])
+time.sleep(float(sys.argv[2]))  # "saving a checkpoint"
+(out / "rank.saved").write_text("yes")
+sys.exit(5)
+"""
+
+
+def start_node_launcher(tmp_path: Path, save_s: float) -> subprocess.Popen:
+    from longspec_cli.launch import argv as A
+    from longspec_cli.launch import slurm as S
+
+    (tmp_path / "rank.py").write_text(STAND_IN_RANK)
+    argv = S.node_launch_argv({"localhost": [0]}, 0, "127.0.0.1", A.free_port(), [])
+    argv = [a for a in argv if a != "--no_local_rank"] + ["--no_local_rank", str(tmp_path / "rank.py"),
+                                                          str(tmp_path), str(save_s)]
+    env = {**cpu_env(), "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=open(tmp_path / "node.log", "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    wait_for(lambda: (tmp_path / "rank.pid").exists() or proc.poll() is not None, 120, "the stand-in rank")
+    return proc
+
+
+@pytest.mark.slow
+def test_the_sbatch_node_launcher_lets_the_ranks_save_and_passes_their_code_on(tmp_path):
+    # SIGUSR1 (SLURM's --signal) to the launcher alone: DeepSpeed's own launcher would die of it.
+    proc = start_node_launcher(tmp_path, save_s=3.0)
+    proc.send_signal(signal.SIGUSR1)
+    assert proc.wait(timeout=60) == 5, (tmp_path / "node.log").read_text()[-2000:]
+    assert (tmp_path / "rank.got").read_text() == "SIGUSR1" and (tmp_path / "rank.saved").exists()
+
+    # A second signal after the echo window: DeepSpeed's handler ends the rank at once.
+    for name in ("rank.pid", "rank.got", "rank.saved"):
+        (tmp_path / name).unlink(missing_ok=True)
+    proc = start_node_launcher(tmp_path, save_s=60.0)
+    os.killpg(proc.pid, signal.SIGTERM)  # launcher and rank, as SLURM signals a job step
+    wait_for(lambda: (tmp_path / "rank.got").exists(), 30, "the rank to see the request")
+    time.sleep(2.5)
+    assert proc.poll() is None  # still waiting for the save
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    assert time.monotonic() - t0 < 10 and not (tmp_path / "rank.saved").exists()
+    assert P.group_members(proc.pid) == []
