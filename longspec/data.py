@@ -27,6 +27,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 IGNORE = -100
+# Bump whenever the tokens or labels a collator produces change: prepared caches made by an
+# older rule are then rebuilt (it is part of their key).
+COLLATOR_VERSION = 1
 COLLATORS = ("short_text", "long_data", "long_cot")
 BAD_RECORD_MODES = ("error", "skip")
 _KEEP_PROBLEMS = 20  # skipped-record messages kept for the log
@@ -42,8 +45,8 @@ class RecordError(ValueError):
 
 # --------------------------------------------------------------------------- reading
 
-def read_records(path, on_bad_record: str = "error",
-                 skipped: list[str] | None = None) -> Iterator[tuple[int, dict]]:
+def read_records(path, on_bad_record: str = "error", skipped: list[str] | None = None,
+                 opened=None) -> Iterator[tuple[int, dict]]:
     """Yield (line_no, record) from a JSONL file or a JSON array file.
 
     A line that is not valid JSON or not an object raises DataError("<file>:<line>: ...") or,
@@ -64,6 +67,8 @@ def read_records(path, on_bad_record: str = "error",
     n = 0
     try:
         with open(path, encoding="utf-8-sig") as f:  # -sig: a leading BOM is not an error
+            if opened is not None:  # progress: the caller reads f.buffer.tell()
+                opened(f)
             first = f.read(4096).lstrip()
             f.seek(0)
             items = _array_items(path, f.read()) if first.startswith("[") else _jsonl_items(f)
@@ -239,24 +244,67 @@ def encode_record(rec: dict, tokenizer, collator: str, max_seq_length: int,
                   train_eos: bool = False) -> tuple[list[int], list[bool]]:
     """Token ids and their trained flags for one record (RecordError if it does not fit)."""
     pieces, plain = ENCODERS[collator](rec, tokenizer)
-    eos = tokenizer.eos_token_id
+    toks = [tokenizer(text, add_special_tokens=plain and i == 0)["input_ids"]
+            for i, (text, _) in enumerate(pieces)]
+    ids, trained, _ = assemble(pieces, toks, tokenizer.eos_token_id, max_seq_length, train_eos)
+    return ids, trained
+
+
+def encode_records(recs: list[dict], tokenizer, collator: str, max_seq_length: int,
+                   train_eos: bool = False) -> list[tuple[list[int], list[bool], int] | RecordError]:
+    """encode_record for many records with one batched tokenizer call per special-token mode:
+    (ids, trained, untruncated length) per record, or its RecordError. Same tokens as encode_record."""
+    rendered: list = []
+    texts: dict[bool, list[str]] = {True: [], False: []}
+    for rec in recs:
+        try:
+            pieces, plain = ENCODERS[collator](rec, tokenizer)
+        except RecordError as e:
+            rendered.append(e)
+            continue
+        slots = []
+        for i, (text, _) in enumerate(pieces):
+            special = plain and i == 0
+            slots.append((special, len(texts[special])))
+            texts[special].append(text)
+        rendered.append((pieces, slots))
+    encoded = {special: tokenizer(batch, add_special_tokens=special)["input_ids"] if batch else []
+               for special, batch in texts.items()}
+    out: list = []
+    for item in rendered:
+        if isinstance(item, RecordError):
+            out.append(item)
+            continue
+        pieces, slots = item
+        try:
+            out.append(assemble(pieces, [encoded[s][j] for s, j in slots], tokenizer.eos_token_id,
+                                max_seq_length, train_eos))
+        except RecordError as e:
+            out.append(e)
+    return out
+
+
+def assemble(pieces, toks: list[list[int]], eos: int | None, max_seq_length: int,
+             train_eos: bool) -> tuple[list[int], list[bool], int]:
+    """The one label rule: pieces' tokens in order, prompt capped, EOS appended, truncated.
+    Returns (ids, trained, length before truncation)."""
     ids: list[int] = []
     trained: list[bool] = []
-    for i, (text, tr) in enumerate(pieces):
-        toks = tokenizer(text, add_special_tokens=plain and i == 0)["input_ids"]
+    for (_, tr), piece in zip(pieces, toks):
         if not tr and len(pieces) > 1:
-            toks = _cap_prompt(toks, max_seq_length)
-        ids += toks
-        trained += [tr] * len(toks)
+            piece = _cap_prompt(piece, max_seq_length)
+        ids += piece
+        trained += [tr] * len(piece)
     if eos is not None and (not ids or ids[-1] != eos):
         ids.append(eos)
         trained.append(True)
     if eos is not None:
         trained = [t and (train_eos or tok != eos) for tok, t in zip(ids, trained)]
+    full = len(ids)
     ids, trained = ids[:max_seq_length], trained[:max_seq_length]
     if not any(trained):
         raise RecordError(f"no trained tokens within max_seq_length={max_seq_length}")
-    return ids, trained
+    return ids, trained, full
 
 
 def _cap_prompt(toks: list[int], max_seq_length: int) -> list[int]:

@@ -169,7 +169,7 @@ def config_origin() -> Origin:
 class Preflight:
     target_config: Any
     tokenizer: Any
-    dataset: Any                  # data.build_dataset(...): tokenized, bad records handled
+    dataset: Any                  # prepare.PreparedDataset: the memory-mapped prepared cache
     draft_state: Any | None       # state dict from draft_model_name_or_path, checked
     draft_sha256: str | None
 
@@ -193,16 +193,24 @@ def preflight(conf: dict[str, Any]) -> Preflight:
     if conf["draft_model_name_or_path"] is not None:
         draft_state, draft_sha = _load_draft(Path(conf["draft_model_name_or_path"]), tcfg, conf)
 
-    from longspec import data
-
     tokenizer = _tokenizer(conf["model_name_or_path"])
-    d = conf["data"]
-    dataset = data.build_dataset(train_file, tokenizer, d["collator"], d["max_seq_length"],
-                                 on_bad_record=d["on_bad_record"], train_eos=d["train_eos"])
+    dataset = prepared_dataset(conf, train_file, tokenizer)
     if getattr(dataset, "skipped", 0):
         print0(f"[{conf['stage']}] skipped {dataset.skipped} bad records of {train_file}; first: "
                f"{(getattr(dataset, 'problems', None) or ['?'])[0]}")
     return Preflight(tcfg, tokenizer, dataset, draft_state, draft_sha)
+
+
+def prepared_dataset(conf: dict[str, Any], train_file: Path, tokenizer):
+    """The memory-mapped prepared cache of train_file; built here (one process per cache, under a
+    lock; the others wait) when `longspec run`'s preflight has not built it already."""
+    from longspec import prepare
+
+    d = conf["data"]
+    dataset, _, _ = prepare.ensure(train_file, conf["model_name_or_path"], d, tokenizer=tokenizer,
+                                   workers=1, progress=rank() == 0,
+                                   label=f"[{conf['stage']}] prepare (rank {rank()})")
+    return dataset
 
 
 def _target_config(target: Path):

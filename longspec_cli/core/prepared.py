@@ -1,0 +1,248 @@
+"""Prepared (tokenized) training data: where a stage's cache lives and what state it is in.
+
+Pure: no torch, numpy or transformers. `longspec prepare` (python -m longspec.prepare) builds a
+cache; the trainer memory-maps it; `status`, `validate` and the monitor read its small manifest.
+
+A cache is a folder $LONGSPEC_CACHE_DIR/prepared/<stem>-<key>/ named by the source path, the
+tokenizer's files and the data options (collator, max_seq_length, on_bad_record, train_eos):
+
+  manifest.json          written last (atomic): key, source fingerprint, counts, files, histogram
+  <build>.tokens.bin     flat token ids (uint16 when the vocabulary fits, else uint32)
+  <build>.mask.bin       uint8 per token: 1 = trained label
+  <build>.idx            int64 offsets, records + 1 of them
+
+A build writes its files under temporary names, fsyncs, renames them, then writes the manifest:
+an interrupted build leaves no manifest naming half files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+DATA_OPTIONS = ("collator", "max_seq_length", "on_bad_record", "train_eos")
+DATA_DEFAULTS = {"collator": "short_text", "max_seq_length": 1024, "on_bad_record": "error",
+                 "train_eos": False}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model",
+                   "spiece.model", "chat_template.jinja", "chat_template.json")
+STATES = ("ready", "missing", "stale", "corrupt", "unknown")
+
+
+class CacheProblem(Exception):
+    """The cache cannot be used as it is (missing, stale, corrupt): rebuild it."""
+
+
+def cache_root() -> Path:
+    base = Path(os.environ.get("LONGSPEC_CACHE_DIR") or Path.home() / ".cache" / "longspec")
+    return base / "prepared"
+
+
+def tokenizer_fingerprint(target: str | os.PathLike) -> str:
+    """sha256 over the tokenizer files of a model folder (names and contents)."""
+    from longspec_cli.core.runfolder import cached_sha256
+
+    h = hashlib.sha256()
+    folder = Path(target)
+    for name in TOKENIZER_FILES:
+        p = folder / name
+        if p.is_file():
+            h.update(f"{name}:{cached_sha256(p)}\n".encode())
+    return h.hexdigest()
+
+
+def data_options(data: Any) -> dict[str, Any]:
+    """The `data:` block's options that change the tokens, defaults filled in."""
+    data = data if isinstance(data, dict) else {}
+    return {k: data.get(k, DATA_DEFAULTS[k]) for k in DATA_OPTIONS}
+
+
+def key_fields(train_file: str | os.PathLike, target: str | os.PathLike, data: Any) -> dict[str, Any]:
+    return {"format": FORMAT, "source": str(Path(train_file).resolve()),
+            "tokenizer": tokenizer_fingerprint(target), **data_options(data)}
+
+
+def cache_dir(fields: dict[str, Any]) -> Path:
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / f"{Path(fields['source']).stem[:40]}-{digest}"
+
+
+def read_manifest(folder: Path) -> dict | None:
+    try:
+        doc = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and doc.get("format") == FORMAT else None
+
+
+def stat_key(path: Path) -> str:
+    st = path.stat()
+    return f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+
+def check(folder: Path, fields: dict[str, Any], collator_version: int | None = None,
+          full: bool = True) -> dict:
+    """The manifest when the cache in `folder` may be trained on; CacheProblem(why) otherwise.
+
+    Always: the key, the source file (size, then content sha256 when its stat changed), every
+    data file's length. full=True adds the checksums (only re-hashed when a file's stat changed)."""
+    from longspec_cli.core.runfolder import cached_sha256
+
+    man = read_manifest(folder)
+    if man is None:
+        raise CacheProblem("not prepared")
+    if man.get("key") != fields:
+        raise CacheProblem("prepared with other options or another tokenizer")
+    if collator_version is not None and man.get("collator_version") != collator_version:
+        raise CacheProblem("prepared by another version of the collators")
+    src, source = Path(fields["source"]), man.get("source") or {}
+    try:
+        if src.stat().st_size != source.get("size") or (
+                stat_key(src) != source.get("stat") and cached_sha256(src) != source.get("sha256")):
+            raise CacheProblem(f"stale: {src.name} changed since it was prepared")
+    except OSError:
+        raise CacheProblem(f"stale: {src} is missing") from None
+    for name, info in (man.get("files") or {}).items():
+        p = folder / name
+        try:
+            size = p.stat().st_size
+        except OSError:
+            raise CacheProblem(f"corrupt: {name} is missing") from None
+        if size != info.get("size"):
+            raise CacheProblem(f"corrupt: {name} has {size} bytes, the manifest says {info.get('size')}")
+        if full and stat_key(p) != info.get("stat") and cached_sha256(p) != info.get("sha256"):
+            raise CacheProblem(f"corrupt: {name} does not match its checksum")
+    if set(man.get("files") or {}) != {f"{man.get('build')}.{s}" for s in ("tokens.bin", "mask.bin", "idx")}:
+        raise CacheProblem("corrupt: the manifest does not list the three data files")
+    return man
+
+
+# ------------------------------------------------------------------------- schedule figures
+
+def batches_per_epoch(records: int, micro: int, world: int) -> int:
+    """Micro-batches one rank draws per epoch (the trainer's ShardedBatchSampler length)."""
+    return math.ceil(math.ceil(records / max(world, 1)) / max(micro, 1))
+
+
+def steps_per_epoch(records: int, micro: int, ga: int, world: int) -> int:
+    return math.ceil(batches_per_epoch(records, micro, world) / max(ga, 1))
+
+
+def planned_steps(conf: dict, records: int, world: int) -> int:
+    """Optimizer steps the stage will run (longspec.dsconfig.plan_steps' rule)."""
+    ga = _int(conf.get("gradient_accumulation_steps"), 1)
+    if _int(conf.get("max_steps"), 0) > 0:
+        return _int(conf.get("max_steps"), 0)
+    epochs = conf.get("num_train_epochs", 1)
+    epochs = epochs if isinstance(epochs, (int, float)) and not isinstance(epochs, bool) else 1
+    per = batches_per_epoch(records, _int(conf.get("per_gpu_train_batch_size"), 1), world)
+    return max(1, math.ceil(epochs * per / ga))
+
+
+def _int(v: Any, default: int) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) else default
+
+
+# ------------------------------------------------------------------------- a stage's state
+
+@dataclass
+class PreparedState:
+    state: str                       # ready | missing | stale | corrupt | unknown
+    reason: str = ""
+    path: str | None = None
+    records: int | None = None
+    tokens: int | None = None
+    trained_tokens: int | None = None
+    skipped: int | None = None
+    truncated: int | None = None
+    steps_per_epoch: int | None = None
+    planned_steps: int | None = None
+    epochs: float | None = None      # how many epochs the planned steps cover
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("extra")
+        return d
+
+    def line(self) -> str:
+        """One short line for tables: `ready 1.2M tok, 2.5 ep` / `stale: data.jsonl changed`."""
+        if self.state != "ready":
+            return self.reason or self.state
+        text = f"ready {human(self.tokens or 0)} tok"
+        return text + (f", {self.epochs:.2g} ep" if self.epochs is not None else "")
+
+
+def stage_prepared(conf: dict, base_dir: Path, world: int = 1, full: bool = False) -> PreparedState:
+    """The prepared state of a stage from its composed config (no tokenizer is loaded)."""
+    train, target = conf.get("train_file"), conf.get("model_name_or_path")
+    if not (isinstance(train, str) and isinstance(target, str)) or "${" in train + target or "???" in train + target:
+        return PreparedState("unknown", "train_file or model_name_or_path not set")
+    train_p, target_p = (_abs(base_dir, v) for v in (train, target))
+    if not train_p.is_file():
+        return PreparedState("unknown", f"train_file {train_p} not found")
+    fields = key_fields(train_p, target_p, conf.get("data"))
+    folder = cache_dir(fields)
+    try:
+        man = check(folder, fields, full=full)
+    except CacheProblem as e:
+        state = str(e).split(":")[0] if str(e).startswith(("stale", "corrupt")) else "missing"
+        return PreparedState(state, str(e), str(folder))
+    except OSError as e:
+        return PreparedState("unknown", f"cannot read the cache: {e.strerror or e}", str(folder))
+    st = PreparedState("ready", path=str(folder), **{k: man.get(k) for k in (
+        "records", "tokens", "trained_tokens", "skipped", "truncated")})
+    ga, micro = _int(conf.get("gradient_accumulation_steps"), 1), _int(conf.get("per_gpu_train_batch_size"), 1)
+    st.steps_per_epoch = steps_per_epoch(st.records or 0, micro, ga, world)
+    st.planned_steps = planned_steps(conf, st.records or 0, world)
+    per = batches_per_epoch(st.records or 0, micro, world)
+    st.epochs = round(st.planned_steps * ga / per, 3) if per else None
+    return st
+
+
+def _abs(base: Path, value: str) -> Path:
+    p = Path(os.path.expanduser(value))
+    return Path(os.path.normpath(p if p.is_absolute() else base / p))
+
+
+# ------------------------------------------------------------------------- text
+
+def human(n: float) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def histogram_lines(hist: list[list[int]], width: int = 40) -> list[str]:
+    """[[low, high, count], ...] as terminal bars: `   65-128   ████████▌ 1,234`."""
+    if not hist:
+        return []
+    top = max(c for _, _, c in hist) or 1
+    label_w = max(len(f"{lo}-{hi}") for lo, hi, _ in hist)
+    out = []
+    for lo, hi, count in hist:
+        cells = count / top * width
+        bar = "█" * int(cells) + ("▌" if cells - int(cells) >= 0.5 else "")
+        out.append(f"  {f'{lo}-{hi}':>{label_w}} {bar:<{width + 1}} {count:,}")
+    return out
+
+
+def summary_lines(man: dict, steps: int | None = None, global_batch: int | None = None) -> list[str]:
+    """The human summary of a prepared cache (manifest) for `longspec prepare`."""
+    rec, tok, tr = man.get("records", 0), man.get("tokens", 0), man.get("trained_tokens", 0)
+    lines = [f"records {rec:,}   tokens {tok:,}   trained tokens {tr:,} ({tr / max(tok, 1):.1%})",
+             f"skipped bad records {man.get('skipped', 0):,}   truncated "
+             f"{man.get('truncated', 0) / max(rec, 1):.1%} of records at max_seq_length "
+             f"{(man.get('key') or {}).get('max_seq_length')}"]
+    if steps is not None:
+        lines.append(f"one epoch = {steps:,} steps at global batch {global_batch}")
+    lines.append("record length (tokens):")
+    return lines + histogram_lines(man.get("histogram") or [])

@@ -1,0 +1,182 @@
+"""Prepared data: the memory-mapped cache gives the in-memory path's batches; it is rebuilt when its
+source or its bytes change; an interrupted build leaves nothing that looks whole; concurrent
+processes tokenize once. Real tokenizer (the tiny preset's), real files, real processes."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from longspec import data, prepare
+from longspec_cli.core import prepared as P
+
+REPO = Path(__file__).resolve().parents[2]
+STAGES = {"base": ("short_text", 96), "long": ("long_data", 128), "longcot": ("long_cot", 128)}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict:
+    from longspec.tiny import build_tiny
+
+    return build_tiny(tmp_path_factory.mktemp("tiny"), family="qwen2")
+
+
+@pytest.fixture(scope="module")
+def tok(tiny):
+    return prepare.load_tokenizer(str(tiny["target"]))
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LONGSPEC_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def opts(collator: str, seq: int, **kw) -> dict:
+    return {"collator": collator, "max_seq_length": seq, "on_bad_record": "error", "train_eos": False, **kw}
+
+
+def batches(ds, rank: int, world: int, skip: int, epoch: int):
+    loader = data.make_loader(ds, batch_size=3, seed=7, rank=rank, world_size=world, pad_token_id=0,
+                              skip_batches=skip, epoch=epoch)
+    return list(loader)
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_prepared_cache_gives_the_in_memory_batches_resume_skips_included(stage, tiny, tok):
+    collator, seq = STAGES[stage]
+    path = Path(tiny["data"][stage])
+    mem = data.build_dataset(path, tok, collator, seq)
+    ds, man, built = prepare.ensure(path, str(tiny["target"]), opts(collator, seq), tokenizer=tok,
+                                    progress=False)
+    assert built and len(ds) == len(mem) == man["records"]
+    assert man["tokens"] == mem.num_tokens and man["trained_tokens"] == mem.num_label_tokens
+    for rank, world, skip, epoch in ((0, 1, 0, 0), (1, 2, 2, 1)):
+        got, want = batches(ds, rank, world, skip, epoch), batches(mem, rank, world, skip, epoch)
+        assert len(got) == len(want) > 0
+        for g, w in zip(got, want):
+            for k in ("input_ids", "labels", "attention_mask"):
+                assert torch.equal(g[k], w[k]), (stage, k)
+    again, _, built = prepare.ensure(path, str(tiny["target"]), opts(collator, seq), tokenizer=tok)
+    assert not built and again.folder == ds.folder                  # a restart does not re-tokenize
+
+
+def test_workers_give_the_same_cache_as_one_process(tiny, tok):
+    path = Path(tiny["data"]["longcot"])
+    one = prepare.ensure(path, str(tiny["target"]), opts("long_cot", 128), tokenizer=tok, progress=False)[1]
+    os.environ["LONGSPEC_CACHE_DIR"] += "-workers"
+    two = prepare.ensure(path, str(tiny["target"]), opts("long_cot", 128), workers=2, progress=False)[1]
+    assert [one["files"][n]["sha256"] for n in sorted(one["files"])] == \
+        [two["files"][n]["sha256"] for n in sorted(two["files"])]
+
+
+def test_changed_source_and_damaged_cache_are_rebuilt_never_used(tiny, tok, tmp_path):
+    src = tmp_path / "d.jsonl"
+    src.write_text(Path(tiny["data"]["base"]).read_text().splitlines()[0] + "\n" +
+                   Path(tiny["data"]["base"]).read_text().splitlines()[1] + "\n")
+    o = opts("short_text", 96)
+    ds, man, built = prepare.ensure(src, str(tiny["target"]), o, tokenizer=tok, progress=False)
+    assert built and man["records"] == 2
+    fields = P.key_fields(src, tiny["target"], o)
+
+    with src.open("a") as f:                                          # the train file changes
+        f.write(json.dumps({"text": "one more record for the stale check"}) + "\n")
+    with pytest.raises(P.CacheProblem, match="stale"):
+        P.check(ds.folder, fields, data.COLLATOR_VERSION)
+    ds, man, built = prepare.ensure(src, str(tiny["target"]), o, tokenizer=tok, progress=False)
+    assert built and man["records"] == 3
+
+    tokens = ds.folder / f"{man['build']}.tokens.bin"                 # its bytes are truncated
+    with tokens.open("r+b") as f:
+        f.truncate(tokens.stat().st_size - 2)
+    with pytest.raises(P.CacheProblem, match="corrupt"):
+        P.check(ds.folder, fields, data.COLLATOR_VERSION)
+    ds, man, built = prepare.ensure(src, str(tiny["target"]), o, tokenizer=tok, progress=False)
+    assert built and len(ds) == 3
+
+    mask = ds.folder / f"{man['build']}.mask.bin"                     # same length, other bytes
+    raw = bytearray(mask.read_bytes())
+    raw[0] ^= 1
+    mask.write_bytes(bytes(raw))
+    with pytest.raises(P.CacheProblem, match="checksum"):
+        P.check(ds.folder, fields, data.COLLATOR_VERSION)
+    assert prepare.ensure(src, str(tiny["target"]), o, tokenizer=tok, progress=False)[2]
+
+
+def test_bad_record_names_file_and_line_in_error_and_skip_mode(tiny, tok, tmp_path):
+    src = tmp_path / "bad.jsonl"
+    src.write_text('{"text": "fine"}\n{"nope": 1}\n{"text": "also fine"}\n')
+    with pytest.raises(data.DataError, match=r"bad\.jsonl:2: missing field 'text'"):
+        prepare.ensure(src, str(tiny["target"]), opts("short_text", 64), tokenizer=tok, progress=False)
+    assert not list((tmp_path / "cache" / "prepared").glob("*/manifest.json"))
+    ds, man, _ = prepare.ensure(src, str(tiny["target"]), opts("short_text", 64, on_bad_record="skip"),
+                                tokenizer=tok, progress=False)
+    assert len(ds) == 2 and man["skipped"] == 1 and "bad.jsonl:2" in man["problems"][0]
+
+
+def big_jsonl(path: Path, mb: int) -> Path:
+    line = json.dumps({"text": "the quick brown fox jumps over the lazy dog " * 40}) + "\n"
+    with path.open("w") as f:
+        f.write(line * (mb * (1 << 20) // len(line)))
+    return path
+
+
+def write_stage(root: Path, tiny: dict, train_file: Path) -> Path:
+    (root / "conf" / "exp").mkdir(parents=True, exist_ok=True)
+    (root / "conf" / "exp" / "s.yaml").write_text(
+        f"# @package _global_\nstage: base\nmodel_name_or_path: {tiny['target']}\n"
+        f"train_file: {train_file}\noutput_dir: {root / 'run'}\nprecision: fp32\n"
+        "data: {collator: short_text, max_seq_length: 256}\n")
+    return root / "conf"
+
+
+def prepare_cmd(conf: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "longspec.prepare", "--config-dir", str(conf), "+exp=s", "--json", *extra]
+
+
+def env(tmp_path: Path, **kw) -> dict:
+    return dict(os.environ, PYTHONPATH=str(REPO), LONGSPEC_CACHE_DIR=str(tmp_path / "cache"),
+                TOKENIZERS_PARALLELISM="false", **kw)
+
+
+def test_kill_9_during_prepare_leaves_no_half_cache(tiny, tmp_path):
+    src = big_jsonl(tmp_path / "big.jsonl", 24)
+    conf = write_stage(tmp_path, tiny, src)
+    proc = subprocess.Popen(prepare_cmd(conf), env=env(tmp_path), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    root = tmp_path / "cache" / "prepared"
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(p.stat().st_size > 0 for p in root.glob("*/.*.tmp")):
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    folder = next(root.iterdir())
+    assert not (folder / P.MANIFEST).exists()
+    fields = P.key_fields(src, tiny["target"], opts("short_text", 256))
+    with pytest.raises(P.CacheProblem, match="not prepared"):
+        P.check(folder, fields)
+    ok = subprocess.run(prepare_cmd(conf), env=env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    result = json.loads(ok.stdout.strip().splitlines()[-1])
+    assert result["built"] and P.check(folder, fields)["records"] == result["records"]
+    assert not list(folder.glob(".*.tmp"))                            # the killed build's leftovers are gone
+
+
+def test_two_ranks_on_a_missing_cache_tokenize_once(tiny, tmp_path):
+    src = big_jsonl(tmp_path / "mid.jsonl", 4)
+    conf = write_stage(tmp_path, tiny, src)
+    procs = [subprocess.Popen(prepare_cmd(conf), env=env(tmp_path, RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    results = [json.loads(o[0].strip().splitlines()[-1]) for o in outs]
+    assert sorted(r["built"] for r in results) == [False, True]
+    assert results[0]["cache"] == results[1]["cache"] and results[0]["tokens"] == results[1]["tokens"]
+    assert sum("tokenizing" in o[1] for o in outs) == 1
