@@ -28,6 +28,7 @@ from longspec_cli.core import prepared as P
 CHUNK_RECORDS = 512          # records per batched tokenizer call / per worker task
 LOCK_POLL_S = 2.0
 _KEEP_PROBLEMS = 20
+EXIT_INPUT = 3                # unreadable input: a malformed record (DESIGN.md exit codes)
 
 
 # ----------------------------------------------------------------------------- dataset
@@ -334,10 +335,15 @@ def ensure(train_file: str | Path, target: str, data_conf: dict, tokenizer=None,
         lock.release()
 
 
-def default_workers(collator: str) -> int:
+WORKERS_FROM_BYTES = 32 << 20  # below this, starting worker processes costs more than it saves
+
+
+def default_workers(collator: str, size: int) -> int:
     """Plain text: one process (the fast tokenizer's batch encode is already parallel).
-    Chat collators render templates in Python: one worker per core, up to 8."""
-    return 1 if collator == "short_text" else max(1, min(8, (os.cpu_count() or 1)))
+    Chat collators render templates in Python: one worker per core, up to 8, for big files."""
+    if collator == "short_text" or size < WORKERS_FROM_BYTES:
+        return 1
+    return max(1, min(8, os.cpu_count() or 1))
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -373,7 +379,7 @@ def run(cfg) -> dict:
     train_file = Path(conf["train_file"])
     if not train_file.is_file():
         raise train.TrainError(f"train_file = {train_file}: file not found")
-    workers = FLAGS.get("workers") or default_workers(d["collator"])
+    workers = FLAGS.get("workers") or default_workers(d["collator"], train_file.stat().st_size)
     world = FLAGS.get("world") or int(os.environ.get("WORLD_SIZE", "1"))
     t0 = time.monotonic()
     ds, man, built = ensure(train_file, target, d, workers=workers, label=f"[{conf['stage']}] prepare")
@@ -417,10 +423,13 @@ def guarded(cfg) -> int:
             message = str(e)
         else:
             raise
+        from longspec.data import DataError
+
+        code = EXIT_INPUT if isinstance(e, DataError) else train.EXIT_ERROR
         if FLAGS.get("json"):
-            print(json.dumps({"error": message, "exit_code": 1}), flush=True)
+            print(json.dumps({"error": message, "exit_code": code}), flush=True)
         train.report_error(message)
-        return train.EXIT_ERROR
+        return code
     if FLAGS.get("json"):
         r = {k: v for k, v in r.items()}
         print(json.dumps(r), flush=True)
@@ -429,6 +438,10 @@ def guarded(cfg) -> int:
 
 
 def main() -> None:
+    import warnings
+
+    # Run outside a project folder, Hydra warns that the `conf` search path is absent: harmless here.
+    warnings.filterwarnings("ignore", message="provider=hydra.searchpath")
     argv, flags = _take_flags(sys.argv[1:])
     FLAGS.update(flags)
     sys.argv = [sys.argv[0]] + argv

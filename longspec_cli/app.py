@@ -35,6 +35,7 @@ COMMANDS = (
     "config",
     "status",
     "next_stage",
+    "prepare",
     "run",
     "stop",
     "demo",

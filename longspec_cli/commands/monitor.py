@@ -58,6 +58,7 @@ def summary(project_dir: Path) -> dict:
     key, statuses = f.refresh_status()
     f.set_status(key, statuses)
     view = f.view()
+    prepared = _prepared(f, project_dir)
     return {
         "project": view.name,
         "root": view.root,
@@ -69,6 +70,7 @@ def summary(project_dir: Path) -> dict:
                 "elapsed_s": s.elapsed_s, "eta_s": s.eta_s, "sha256": s.sha256, "draft_from": s.draft_from,
                 "output_dir": s.output_dir, "next_action": s.next_action, "reasons": list(s.reasons),
                 "skipped_lines": s.skipped_lines, "notices": list(s.notices), "tau": s.tau, "tree_tau": s.tree_tau,
+                "prepared": prepared.get(s.name),
             }
             for s in view.stages
         ],
@@ -76,6 +78,18 @@ def summary(project_dir: Path) -> dict:
         "notice": view.notice,
         "next": run_plan(statuses),
     }
+
+
+def _prepared(follower, project_dir: Path) -> dict:
+    """Each stage's prepared data as JSON ({} when the project cannot be read)."""
+    from longspec_cli.core.manifest import load_manifest
+    from longspec_cli.core.prepared import project_prepared
+    from longspec_cli.errors import LongspecError
+
+    try:
+        return {k: v.to_json() for k, v in project_prepared(load_manifest(project_dir)).items()}
+    except LongspecError:
+        return {}
 
 
 def _once(project_dir: Path, as_json: bool) -> None:
@@ -107,6 +121,8 @@ def _text(d: dict) -> str:
     for s in d["stages"]:
         for why in s["reasons"]:
             lines.append(f"  {s['name']}: {why}")
+        if s.get("prepared"):
+            lines.append(f"  {s['name']}: data {_prepared_line(s['prepared'])}")
         if s["skipped_lines"]:
             lines.append(f"  {s['name']}: {s['skipped_lines']} malformed metrics line(s) skipped")
     if d["notice"]:
@@ -115,6 +131,12 @@ def _text(d: dict) -> str:
         lines.append(f"{a['level'].upper()}: {a['message']}")
     lines.append(f"next: {d['next']}")
     return "\n".join(lines)
+
+
+def _prepared_line(p: dict) -> str:
+    from longspec_cli.core.prepared import PreparedState
+
+    return PreparedState(**p).line()
 
 
 def _nulls(obj):

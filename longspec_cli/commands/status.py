@@ -15,6 +15,8 @@ EPILOG = """Examples:
   longspec status demo/longspec.yaml --json
 
 States: pending, running, done, stale (config or input draft changed since the run), failed.
+Each stage's data: ready (tokens, epochs the planned steps cover), missing, stale (train_file
+changed since `longspec prepare`) or corrupt; `run` prepares what is not ready.
 
 Exit codes: 0 ok, 2 no such project, 3 unreadable longspec.yaml."""
 
@@ -31,15 +33,21 @@ def status(
         from longspec_cli.core.manifest import load_manifest
         from longspec_cli.core.status import project_status, run_plan
 
+        from longspec_cli.core.prepared import project_prepared
+
         manifest = load_manifest(project_dir)
         stages = project_status(manifest)
+        prepared = project_prepared(manifest)
         if as_json:
             import json
 
-            typer.echo(json.dumps({"project": str(manifest.root), "stages": [s.to_json() for s in stages],
+            typer.echo(json.dumps({"project": str(manifest.root),
+                                   "stages": [{**s.to_json(), "prepared": prepared[s.name].to_json()}
+                                              for s in stages],
                                    "next": run_plan(stages)}, indent=2))
             return
         _render(manifest, stages, run_plan(stages))
+        _render_prepared(prepared)
 
     run_cli(body)
 
@@ -66,6 +74,13 @@ def _render(manifest, stages, plan: str) -> None:
         for reason in st.reasons:
             console.print(Text(f"  {st.name}: {reason}", style="dim"))
     console.print(Text("next: ", style="bold") + Text(plan))
+
+
+def _render_prepared(prepared: dict) -> None:
+    """One line per stage: its prepared data (tokens, epochs the planned steps cover) or why not."""
+    for name, st in prepared.items():
+        style = "dim" if st.state == "ready" else ("yellow" if st.state in ("stale", "corrupt", "missing") else "dim")
+        typer.secho(f"  {name}: data {st.line()}", dim=style == "dim", fg="yellow" if style == "yellow" else None)
 
 
 def register(app: typer.Typer) -> None:

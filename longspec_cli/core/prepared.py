@@ -246,3 +246,35 @@ def summary_lines(man: dict, steps: int | None = None, global_batch: int | None 
         lines.append(f"one epoch = {steps:,} steps at global batch {global_batch}")
     lines.append("record length (tokens):")
     return lines + histogram_lines(man.get("histogram") or [])
+
+
+# ------------------------------------------------------------------------- for status / validate / monitor
+
+def project_prepared(manifest) -> dict[str, PreparedState]:
+    """Each stage's prepared state (composed config, the manifest's world size; lengths checked,
+    checksums only where a file's stat changed since it was written)."""
+    from longspec_cli.core.compose import compose_file
+
+    world = max(1, manifest.launch.gpus) * max(1, manifest.launch.nodes)
+    out: dict[str, PreparedState] = {}
+    cache: dict = {}
+    for spec in manifest.stages:
+        try:
+            c = compose_file(spec.config, cache)
+        except OSError:
+            c = None
+        out[spec.name] = (stage_prepared(c.data, manifest.root, world) if c is not None and c.ok
+                          else PreparedState("unknown", "config unreadable"))
+    return out
+
+
+def prepared_note(state: PreparedState) -> str:
+    """One sentence for `validate`'s info lines."""
+    if state.state == "ready":
+        return (f"train_file prepared: {state.records:,} records, {state.tokens:,} tokens "
+                f"({state.trained_tokens:,} trained); {state.planned_steps:,} planned steps cover "
+                f"{state.epochs:.3g} epochs ({state.steps_per_epoch:,} steps per epoch)")
+    if state.state == "unknown":
+        return f"train_file not prepared: {state.reason}"
+    return (f"train_file {state.reason}: `longspec prepare` (or `longspec run`, before it starts "
+            "DeepSpeed) tokenizes it once")

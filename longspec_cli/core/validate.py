@@ -146,9 +146,19 @@ def validate_project(root: Path, world_size: int | None = None, cache: dict | No
         c = compose_stage(st.config, stage_overrides(st.output_dir, list(overrides)))
         file_problems, summary = _check_file(c, ctx)
         problems += file_problems + (stage_in_project(c, st, m, ctx) if c.ok else [])
+        problems += _prepared_info(c, m, world)
         rep.files.append(summary)
     rep.add(problems)
     return rep
+
+
+def _prepared_info(c, m, world: int) -> list[Problem]:
+    """An info line: the stage's prepared data (tokens, epochs covered) or that it is not ready."""
+    from longspec_cli.core.prepared import prepared_note, stage_prepared
+
+    if not c.ok:
+        return []
+    return [c.problem("info", "train_file", prepared_note(stage_prepared(c.data, m.root, world)))]
 
 
 # ---------------------------------------------------------------- entry point

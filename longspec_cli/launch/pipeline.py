@@ -655,6 +655,9 @@ def run_one(manifest: Manifest, p: StagePlan, placement: A.Placement, res: A.Res
         if _report_problems([q for q in problems if q.severity == "error"], console) and not req.force:
             raise RefusedError(f"stage {spec.name}: validation errors; not started",
                                hint=f"fix them, or launch anyway with `longspec run {manifest.root} --force`")
+    from longspec_cli.launch.prepare import ensure_prepared
+
+    ensure_prepared(manifest, spec, req.overrides, res.world_size, console.say)  # before DeepSpeed starts
     conf, exp = exp_location(spec)
     cmd = with_ops_dir(A.build_launch(placement, res, conf, exp, spec.output_dir, req.overrides))
     console.say(f"\n== {spec.name}: {p.action}{' (' + p.reason + ')' if p.reason else ''}\n$ {cmd.shell()}")

@@ -1,0 +1,70 @@
+"""Prepared data from the CLI: a stage's cache state (pure) and `python -m longspec.prepare` runs.
+
+`longspec prepare` and `run`'s preflight use these; the tokenizing happens in the child process
+(this process never imports torch or transformers), which echoes its progress on stderr.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from typing import Any
+
+from longspec_cli.core import prepared as P
+from longspec_cli.core.manifest import Manifest, StageSpec
+
+
+def stage_conf(spec: StageSpec, overrides: list[str] = ()) -> dict[str, Any] | None:
+    """The stage's composed config with the command-line overrides applied; None if unreadable."""
+    from longspec_cli.launch import pipeline
+
+    c = pipeline.composed(spec.config)
+    if not c.ok:
+        return None
+    conf = copy.deepcopy(c.data)
+    for item in overrides:
+        key, _, value = item.lstrip("+").partition("=")
+        pipeline._set_dotted(conf, key, pipeline._yaml_scalar(value))
+    return conf
+
+
+def world_of(manifest: Manifest) -> int:
+    return max(1, manifest.launch.gpus) * max(1, manifest.launch.nodes)
+
+
+def stage_state(manifest: Manifest, spec: StageSpec, overrides: list[str] = (), world: int | None = None,
+                full: bool = False) -> P.PreparedState:
+    conf = stage_conf(spec, list(overrides))
+    if conf is None:
+        return P.PreparedState("unknown", "config unreadable")
+    return P.stage_prepared(conf, manifest.root, world or world_of(manifest), full=full)
+
+
+def prepare_argv(spec: StageSpec, overrides: list[str], world: int, workers: int | None) -> list[str]:
+    from longspec_cli.launch.pipeline import exp_location
+
+    conf, exp = exp_location(spec)
+    argv = [sys.executable, "-m", "longspec.prepare", "--config-dir", str(conf), f"+exp={exp}",
+            *overrides, "--world", str(world), "--json"]
+    return argv + (["--workers", str(workers)] if workers else [])
+
+
+def run_prepare(spec: StageSpec, overrides: list[str], world: int, workers: int | None = None,
+                show_progress: bool = True) -> dict:
+    """Tokenize (or find) the stage's cache in a child process; its JSON result."""
+    from longspec_cli.launch.jsonproc import run_trainer_json
+
+    return run_trainer_json(prepare_argv(spec, list(overrides), world, workers), show_progress=show_progress)
+
+
+def ensure_prepared(manifest: Manifest, spec: StageSpec, overrides: list[str], world: int, say) -> None:
+    """`run`'s preflight: prepare the stage's data before DeepSpeed starts (no-op when ready)."""
+    st = stage_state(manifest, spec, overrides, world)
+    if st.state == "ready":
+        say(f"{spec.name}: data prepared ({st.line()}, {st.path})")
+        return
+    if st.state == "unknown":
+        return                                # validation reports it; the trainer refuses it
+    say(f"{spec.name}: preparing data ({st.reason})")
+    r = run_prepare(spec, overrides, world)
+    say(f"{spec.name}: data prepared: {r['records']:,} records, {r['tokens']:,} tokens in {r['seconds']:.1f} s")
