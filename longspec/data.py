@@ -33,6 +33,7 @@ COLLATOR_VERSION = 1
 COLLATORS = ("short_text", "long_data", "long_cot")
 BAD_RECORD_MODES = ("error", "skip")
 _KEEP_PROBLEMS = 20  # skipped-record messages kept for the log
+ARRAY_CHUNK = 1 << 20  # characters a JSON array file is read by
 
 
 class DataError(ValueError):
@@ -71,7 +72,7 @@ def read_records(path, on_bad_record: str = "error", skipped: list[str] | None =
                 opened(f)
             first = f.read(4096).lstrip()
             f.seek(0)
-            items = _array_items(path, f.read()) if first.startswith("[") else _jsonl_items(f)
+            items = _array_items(path, f) if first.startswith("[") else _jsonl_items(f)
             for line, obj, err in items:
                 if err is not None:
                     bad(line, err)
@@ -104,40 +105,75 @@ def _jsonl_items(lines):
             yield line_no, None, f"invalid JSON ({e.msg}, column {e.colno})"
 
 
-def _array_items(path: Path, text: str):
-    """Elements of a top-level JSON array with the line each starts on."""
+class _Stream:
+    """A text file read in growing chunks, with the line number of any position kept cheaply."""
+
+    def __init__(self, f, chunk: int | None = None):
+        self.f, self.chunk = f, chunk or ARRAY_CHUNK
+        self.buf, self.eof = "", False
+        self.base_line = 1            # line number of buf[0]
+        self.seen = (0, 1)            # (offset, its line): offsets asked for mostly grow
+
+    def more(self, keep_from: int) -> int:
+        """Drop buf[:keep_from], read the next chunk; returns the shift of every offset."""
+        self.base_line += self.buf.count("\n", 0, keep_from)
+        self.buf = self.buf[keep_from:]
+        block = self.f.read(max(self.chunk, len(self.buf)))   # grows with a record that spans chunks
+        self.eof = not block
+        self.buf += block
+        self.seen = (0, self.base_line)
+        return keep_from
+
+    def line_of(self, i: int) -> int:
+        at, line = self.seen
+        if i < at:
+            at, line = 0, self.base_line
+        line += self.buf.count("\n", at, i)
+        self.seen = (i, line)
+        return line
+
+
+def _array_items(path: Path, f):
+    """Elements of a top-level JSON array with the line each starts on, read in chunks (RSS does
+    not grow with the file)."""
     dec, ws = json.JSONDecoder(), " \t\r\n"
-    i = text.index("[") + 1
+    st = _Stream(f)
+    st.more(0)
+    i = st.buf.index("[") + 1
 
     def skip_ws(i: int) -> int:
-        while i < len(text) and text[i] in ws:
-            i += 1
-        return i
+        while True:
+            while i < len(st.buf) and st.buf[i] in ws:
+                i += 1
+            if i < len(st.buf) or st.eof:
+                return i
+            i -= st.more(i)
 
-    seen = [0, 1]  # (offset, line there): offsets only grow, so counting stays linear
-
-    def line_of(i: int) -> int:
-        if i >= seen[0]:
-            seen[:] = [i, seen[1] + text.count("\n", seen[0], i)]
-            return seen[1]
-        return text.count("\n", 0, i) + 1
+    def decode(i: int):
+        while True:
+            try:
+                obj, end = dec.raw_decode(st.buf, i)
+                if end < len(st.buf) or st.eof:      # a number at the buffer's end may go on
+                    return obj, end, i
+            except json.JSONDecodeError as e:
+                if st.eof:                          # no way to resynchronise inside an array
+                    raise DataError(f"{path}:{st.line_of(e.pos)}: invalid JSON ({e.msg})") from None
+            i -= st.more(i)
 
     i = skip_ws(i)
-    if i < len(text) and text[i] == "]":
+    if i < len(st.buf) and st.buf[i] == "]":
         return
     while True:
-        try:
-            obj, end = dec.raw_decode(text, i)
-        except json.JSONDecodeError as e:  # no way to resynchronise inside an array
-            raise DataError(f"{path}:{line_of(e.pos)}: invalid JSON ({e.msg})") from None
-        yield line_of(i), obj, None
+        obj, end, i = decode(i)
+        yield st.line_of(i), obj, None
         i = skip_ws(end)
-        if i < len(text) and text[i] == "]":
-            if text[skip_ws(i + 1):].strip():
-                raise DataError(f"{path}:{line_of(i + 1)}: text after the closing ']'")
+        if i < len(st.buf) and st.buf[i] == "]":
+            rest = skip_ws(i + 1)
+            if rest < len(st.buf):
+                raise DataError(f"{path}:{st.line_of(rest)}: text after the closing ']'")
             return
-        if i >= len(text) or text[i] != ",":
-            raise DataError(f"{path}:{line_of(i)}: expected ',' or ']' in the JSON array")
+        if i >= len(st.buf) or st.buf[i] != ",":
+            raise DataError(f"{path}:{st.line_of(i)}: expected ',' or ']' in the JSON array")
         i = skip_ws(i + 1)
 
 

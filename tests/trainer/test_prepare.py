@@ -180,3 +180,15 @@ def test_two_ranks_on_a_missing_cache_tokenize_once(tiny, tmp_path):
     assert sorted(r["built"] for r in results) == [False, True]
     assert results[0]["cache"] == results[1]["cache"] and results[0]["tokens"] == results[1]["tokens"]
     assert sum("tokenizing" in o[1] for o in outs) == 1
+
+
+def test_json_array_read_in_small_chunks_gives_the_whole_read_records(tmp_path, monkeypatch):
+    recs = [{"text": f"record {i} " + "x" * (i % 37), "n": 10 ** (i % 9)} for i in range(300)]
+    path = tmp_path / "a.json"
+    path.write_text("[\n" + ",\n".join(json.dumps(r, indent=1) for r in recs) + "\n]\n")
+    whole = list(data.read_records(path))
+    monkeypatch.setattr(data, "ARRAY_CHUNK", 5)            # every record spans several chunks
+    assert list(data.read_records(path)) == whole and [r for _, r in whole] == recs
+    path.write_text('[{"text": "a"},\n{"text": "b"}\n{"text": "c"}]')
+    with pytest.raises(data.DataError, match=r"a\.json:3: expected ',' or ']'"):
+        list(data.read_records(path))
