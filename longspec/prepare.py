@@ -27,7 +27,6 @@ from longspec_cli.core import prepared as P
 
 CHUNK_RECORDS = 512          # records per batched tokenizer call / per worker task
 LOCK_POLL_S = 2.0
-_KEEP_PROBLEMS = 20
 EXIT_INPUT = 3                # unreadable input: a malformed record (DESIGN.md exit codes)
 
 
@@ -199,7 +198,7 @@ def build(train_file: Path, target: str, fields: dict, folder: Path, tokenizer, 
                       "sha256": _source_sha(train_file)},
            "records": counts["records"], "tokens": counts["tokens"],
            "trained_tokens": counts["trained_tokens"], "truncated": counts["truncated"],
-           "skipped": len(problems), "problems": problems[:_KEEP_PROBLEMS],
+           "skipped": len(problems), "problems": problems[:data._KEEP_PROBLEMS],
            "histogram": [[1 if b == 0 else (1 << (b - 1)) + 1, 1 << b, hist[b]] for b in sorted(hist)],
            "files": files, "seconds": round(time.monotonic() - t0, 3), "created_at": time.time()}
     from longspec_cli.core.atomic import atomic_write_json
@@ -383,30 +382,11 @@ def run(cfg) -> dict:
     world = FLAGS.get("world") or int(os.environ.get("WORLD_SIZE", "1"))
     t0 = time.monotonic()
     ds, man, built = ensure(train_file, target, d, workers=workers, label=f"[{conf['stage']}] prepare")
-    micro, ga = conf["per_gpu_train_batch_size"], conf["gradient_accumulation_steps"]
-    result = {"stage": conf["stage"], "built": built, "cache": str(ds.folder),
-              "seconds": round(time.monotonic() - t0, 3), "workers": workers, "world": world,
-              "global_batch": micro * ga * world,
-              "steps_per_epoch": P.steps_per_epoch(man["records"], micro, ga, world),
-              "planned_steps": P.planned_steps(conf, man["records"], world)}
-    per = P.batches_per_epoch(man["records"], micro, world)
-    result["epochs"] = round(result["planned_steps"] * ga / per, 3)
-    result["key"] = man["key"]
-    for k in ("records", "tokens", "trained_tokens", "skipped", "truncated", "histogram", "problems"):
-        result[k] = man.get(k)
-    result["truncated_fraction"] = round(man["truncated"] / max(man["records"], 1), 6)
-    return result
+    return {**P.result_of(man, conf, world, ds.folder, built, time.monotonic() - t0), "workers": workers}
 
 
 def _print_summary(r: dict) -> None:
-    head = "tokenized" if r["built"] else "already prepared"
-    print(f"[{r['stage']}] {head} in {r['seconds']:.1f} s: {r['cache']}", file=sys.stderr)
-    for line in P.summary_lines(r, r["steps_per_epoch"], r["global_batch"]):
-        print(f"  {line}", file=sys.stderr)
-    print(f"  planned {r['planned_steps']:,} steps cover {r['epochs']:.3g} epochs", file=sys.stderr)
-    for p in (r.get("problems") or [])[:3]:
-        print(f"  skipped: {p}", file=sys.stderr)
-    sys.stderr.flush()
+    print("\n".join(P.result_text(r)), file=sys.stderr, flush=True)
 
 
 def guarded(cfg) -> int:

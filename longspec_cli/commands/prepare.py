@@ -44,6 +44,7 @@ def prepare(
 
     def body() -> None:
         from longspec_cli.core.manifest import load_manifest
+        from longspec_cli.core.prepared import result_text as prepared_text
         from longspec_cli.launch import prepare as LP
 
         manifest = load_manifest(project_dir)
@@ -53,7 +54,10 @@ def prepare(
         for spec in chosen:
             if not as_json:
                 typer.echo(f"== {spec.name}", err=True)
-            results.append(LP.run_prepare(spec, [], world, workers, show_progress=True))
+            hit = LP.ready_result(manifest, spec, [], world)
+            if hit is not None and not as_json:
+                typer.echo("\n".join(prepared_text(hit)), err=True)
+            results.append(hit or LP.run_prepare(spec, [], world, workers, show_progress=True))
         if as_json:
             typer.echo(json.dumps({"project": str(manifest.root), "stages": results}, indent=2))
 

@@ -180,6 +180,20 @@ class PreparedState:
         return text + (f", {self.epochs:.2g} ep" if self.epochs is not None else "")
 
 
+def collator_version() -> int | None:
+    """longspec.data.COLLATOR_VERSION, read from the module's source (importing it loads torch)."""
+    import importlib.util
+    import re
+
+    try:
+        spec = importlib.util.find_spec("longspec.data")
+        text = Path(spec.origin).read_text(encoding="utf-8") if spec and spec.origin else ""
+    except (ImportError, OSError, ValueError):
+        return None
+    m = re.search(r"^COLLATOR_VERSION = (\d+)", text, re.M)
+    return int(m.group(1)) if m else None
+
+
 def stage_prepared(conf: dict, base_dir: Path, world: int = 1, full: bool = False) -> PreparedState:
     """The prepared state of a stage from its composed config (no tokenizer is loaded)."""
     train, target = conf.get("train_file"), conf.get("model_name_or_path")
@@ -191,7 +205,7 @@ def stage_prepared(conf: dict, base_dir: Path, world: int = 1, full: bool = Fals
     fields = key_fields(train_p, target_p, conf.get("data"))
     folder = cache_dir(fields)
     try:
-        man = check(folder, fields, full=full)
+        man = check(folder, fields, collator_version(), full=full)
     except CacheProblem as e:
         state = str(e).split(":")[0] if str(e).startswith(("stale", "corrupt")) else "missing"
         return PreparedState(state, str(e), str(folder))
@@ -233,6 +247,32 @@ def histogram_lines(hist: list[list[int]], width: int = 40) -> list[str]:
         bar = "█" * int(cells) + ("▌" if cells - int(cells) >= 0.5 else "")
         out.append(f"  {f'{lo}-{hi}':>{label_w}} {bar:<{width + 1}} {count:,}")
     return out
+
+
+def result_of(man: dict, conf: dict, world: int, folder: Path, built: bool, seconds: float) -> dict:
+    """`longspec prepare`'s result for one stage (its --json object): counts, histogram, schedule."""
+    micro = _int(conf.get("per_gpu_train_batch_size"), 1)
+    ga = _int(conf.get("gradient_accumulation_steps"), 1)
+    records = man["records"]
+    r = {"stage": conf.get("stage"), "built": built, "cache": str(folder), "seconds": round(seconds, 3),
+         "build_seconds": man.get("seconds"),
+         "world": world, "global_batch": micro * ga * world, "key": man["key"],
+         "steps_per_epoch": steps_per_epoch(records, micro, ga, world),
+         "planned_steps": planned_steps(conf, records, world)}
+    r["epochs"] = round(r["planned_steps"] * ga / max(batches_per_epoch(records, micro, world), 1), 3)
+    for k in ("records", "tokens", "trained_tokens", "skipped", "truncated", "histogram", "problems"):
+        r[k] = man.get(k)
+    r["truncated_fraction"] = round(man["truncated"] / max(records, 1), 6)
+    return r
+
+
+def result_text(r: dict) -> list[str]:
+    """The human summary of one result (result_of)."""
+    head = "tokenized" if r["built"] else "already prepared"
+    lines = [f"[{r['stage']}] {head} in {r['seconds']:.1f} s: {r['cache']}"]
+    lines += [f"  {line}" for line in summary_lines(r, r["steps_per_epoch"], r["global_batch"])]
+    lines.append(f"  planned {r['planned_steps']:,} steps cover {r['epochs']:.3g} epochs")
+    return lines + [f"  skipped: {p}" for p in (r.get("problems") or [])[:3]]
 
 
 def summary_lines(man: dict, steps: int | None = None, global_batch: int | None = None) -> list[str]:

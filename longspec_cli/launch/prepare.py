@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 import sys
 from typing import Any
 
@@ -55,6 +56,21 @@ def run_prepare(spec: StageSpec, overrides: list[str], world: int, workers: int 
     from longspec_cli.launch.jsonproc import run_trainer_json
 
     return run_trainer_json(prepare_argv(spec, list(overrides), world, workers), show_progress=show_progress)
+
+
+def ready_result(manifest: Manifest, spec: StageSpec, overrides: list[str], world: int) -> dict | None:
+    """The stage's result when its cache is ready (checksums included), without any subprocess."""
+    import time
+
+    t0 = time.monotonic()
+    conf = stage_conf(spec, list(overrides))
+    if conf is None:
+        return None
+    st = P.stage_prepared(conf, manifest.root, world, full=True)
+    man = P.read_manifest(Path(st.path)) if st.state == "ready" and st.path else None
+    if man is None:
+        return None
+    return P.result_of(man, conf, world, Path(st.path), False, time.monotonic() - t0)
 
 
 def ensure_prepared(manifest: Manifest, spec: StageSpec, overrides: list[str], world: int, say) -> None:

@@ -1,0 +1,212 @@
+"""What `longspec prepare` costs at scale, against the tokenizer itself, and what it saves a launch.
+
+    .venv/bin/python bench/bench_prepare.py [--sizes 100,300] [--no-launch] [--keep]
+
+On generated JSONL of the tiny preset's kind of text (written under a temp folder), prints:
+  1. throughput: prepare's tokens/s (`python -m longspec.prepare`, cold cache) against the same
+     tokenizer's encode_batch on the same texts in this run (goal >= 0.7x);
+  2. peak RSS of prepare's whole process tree per size (goal <= 800 MiB, flat across sizes);
+  3. a cache hit: `longspec prepare DIR base` once the cache exists (goal <= 3 s);
+  4. launch to first step of `longspec run DIR base max_steps=2` with 100 MB against 1 MB of data,
+     cache prepared (goal <= 1.5x), and cold (tokenizing included) for reference.
+The machine's load average is printed with the figures: compare ratios, not absolute times.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+LONGSPEC = [PY, "-m", "longspec_cli"]
+MIB = 1 << 20
+
+
+def env(cache: Path) -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "LONGSPEC_CACHE_DIR": str(cache), "CUDA_VISIBLE_DEVICES": ""}
+
+
+def load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg()) + f" on {os.cpu_count()} cores"
+
+
+def generate(path: Path, mb: int, seed: int = 0) -> Path:
+    """JSONL of tiny-preset-like paragraphs (records of ~1-3 KB) up to `mb` MiB."""
+    from longspec.tiny import Lang
+
+    rng = random.Random(seed)
+    gen = Lang(rng)
+    pool = [json.dumps({"text": gen.paragraph(rng.randint(6, 30))}) + "\n" for _ in range(4000)]
+    target, written = mb * MIB, 0
+    with path.open("w") as f:
+        while written < target:
+            line = pool[rng.randrange(len(pool))]
+            f.write(line)
+            written += len(line)
+    return path
+
+
+def project(base: Path, name: str, data: Path) -> Path:
+    proj = base / name
+    res = subprocess.run([*LONGSPEC, "init", str(proj), "--preset", "tiny", "--no-input"], capture_output=True,
+                         text=True, cwd=ROOT, env=env(base / "cache"))
+    if res.returncode != 0:
+        sys.exit(f"init failed:\n{res.stdout}\n{res.stderr}")
+    stage = proj / "conf" / "exp" / "base.yaml"       # long enough that records are rarely cut:
+    stage.write_text(stage.read_text().replace("max_seq_length: 128", "max_seq_length: 1024"))  # same texts
+    dest = proj / "assets" / "data" / "base.jsonl"
+    dest.unlink()
+    os.link(data, dest) if data.stat().st_dev == dest.parent.stat().st_dev else shutil.copy(data, dest)
+    return proj
+
+
+def tree_rss(pid: int) -> int:
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        procs = [p, *p.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    total = 0
+    for q in procs:
+        try:
+            total += q.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def run_tree(cmd: list[str], cache: Path, **kw) -> tuple[float, int, subprocess.CompletedProcess]:
+    """Wall seconds and peak RSS of the whole process tree (sampled every 50 ms)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env=env(cache), **kw)
+    peak = [0]
+    out: dict = {}
+
+    def drain():
+        out["stdout"], out["stderr"] = proc.communicate()
+
+    t = threading.Thread(target=drain, daemon=True)
+    t.start()
+    while proc.poll() is None:
+        peak[0] = max(peak[0], tree_rss(proc.pid))
+        time.sleep(0.05)
+    t.join()
+    wall = time.perf_counter() - t0
+    return wall, peak[0], subprocess.CompletedProcess(cmd, proc.returncode, out.get("stdout", ""),
+                                                      out.get("stderr", ""))
+
+
+def encode_batch_rate(target: Path, data: Path, chunk: int = 512) -> tuple[float, int]:
+    """tokens/s of the fast tokenizer's own encode_batch on the file's texts (encode time only)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target))
+    fast = tok.backend_tokenizer
+    tokens, spent = 0, 0.0
+    with data.open() as f:
+        texts: list[str] = []
+        for line in f:
+            texts.append(json.loads(line)["text"])
+            if len(texts) == chunk:
+                t0 = time.perf_counter()
+                tokens += sum(len(e.ids) for e in fast.encode_batch(texts))
+                spent += time.perf_counter() - t0
+                texts = []
+        if texts:
+            t0 = time.perf_counter()
+            tokens += sum(len(e.ids) for e in fast.encode_batch(texts))
+            spent += time.perf_counter() - t0
+    return tokens / spent, tokens
+
+
+def first_step_wall(proj: Path, cache: Path, timeout: float = 1800) -> float:
+    """Seconds from `longspec run DIR base max_steps=2` to its first step record in metrics.jsonl."""
+    metrics = proj / "runs" / "base" / "metrics.jsonl"
+    if (proj / "runs" / "base").exists():
+        shutil.rmtree(proj / "runs" / "base")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([*LONGSPEC, "run", str(proj), "base", "max_steps=2", "save_steps=2", "--quiet"],
+                            cwd=ROOT, env=env(cache), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    first = None
+    while proc.poll() is None and time.perf_counter() - t0 < timeout:
+        if first is None and metrics.is_file() and '"loss"' in metrics.read_text():
+            first = time.perf_counter() - t0
+        time.sleep(0.1)
+    err = proc.communicate()[1]
+    if proc.returncode != 0 or first is None:
+        sys.exit(f"run failed ({proc.returncode}):\n{err[-3000:]}")
+    return first
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="100,300", help="MiB of JSONL to prepare, comma-separated")
+    ap.add_argument("--no-launch", action="store_true", help="skip the launch-to-first-step part")
+    ap.add_argument("--keep", action="store_true", help="keep the temp folder")
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    base = Path(tempfile.mkdtemp(prefix="ls-bench-prepare-"))
+    print(f"load average at start: {load()}; temp folder {base}")
+    try:
+        rows = []
+        for mb in sizes:
+            data = generate(base / f"data-{mb}.jsonl", mb)
+            proj = project(base, f"p{mb}", data)
+            cache = base / f"cache-{mb}"
+            wall, peak, res = run_tree([*LONGSPEC, "prepare", str(proj), "base", "--json"], cache)
+            if res.returncode != 0:
+                sys.exit(f"prepare failed:\n{res.stderr[-3000:]}")
+            r = json.loads(res.stdout)["stages"][0]
+            rate = r["tokens"] / r["build_seconds"]
+            ref, ref_tokens = encode_batch_rate(proj / "assets" / "target", data)
+            hit, _, hres = run_tree([*LONGSPEC, "prepare", str(proj), "base", "--json"], cache)
+            hit_r = json.loads(hres.stdout)["stages"][0]
+            rows.append((mb, r, wall, peak, rate, ref, hit, hit_r))
+            print(f"{mb:>5} MiB: {r['records']:,} records, {r['tokens']:,} tokens (encode_batch: {ref_tokens:,}); "
+                  f"prepare {r['build_seconds']:.1f} s tokenizing ({wall:.1f} s wall) = {rate / 1e6:.2f} M tok/s, encode_batch {ref / 1e6:.2f} M tok/s "
+                  f"-> {rate / ref:.2f}x (goal >= 0.7x); peak RSS of the tree {peak / MIB:.0f} MiB "
+                  f"(goal <= 800); cache hit {hit:.2f} s (built={hit_r['built']}; goal <= 3 s); load {load()}")
+        if len(rows) > 1:
+            print(f"peak RSS {rows[-1][0]} MiB / {rows[0][0]} MiB of data: {rows[-1][3] / rows[0][3]:.2f}x "
+                  "(flat = 1.0x)")
+        if args.no_launch:
+            return
+        small_data = generate(base / "data-1.jsonl", 1)
+        small = project(base, "p1", small_data)
+        big = next((base / f"p{mb}" for mb in sizes if mb == 100), None) or project(
+            base, "p100", generate(base / "data-100.jsonl", 100))
+        cache_small, cache_big = base / "cache-1", base / "cache-100"
+        cold_small = first_step_wall(small, cache_small)      # prepares 1 MB on the way
+        warm_small = first_step_wall(small, cache_small)
+        warm_big = first_step_wall(big, cache_big) if (cache_big / "prepared").exists() else None
+        if warm_big is None:
+            cold_big = first_step_wall(big, cache_big)
+            warm_big = first_step_wall(big, cache_big)
+        else:
+            shutil.rmtree(cache_big / "prepared")
+            cold_big = first_step_wall(big, cache_big)
+        print(f"launch to first step, 2-step run, cache prepared: 1 MiB {warm_small:.1f} s, 100 MiB {warm_big:.1f} s "
+              f"-> {warm_big / warm_small:.2f}x (goal <= 1.5x); load {load()}")
+        print(f"launch to first step, cold (run prepares first): 1 MiB {cold_small:.1f} s, 100 MiB {cold_big:.1f} s "
+              f"-> {cold_big / cold_small:.2f}x")
+    finally:
+        if args.keep:
+            print(f"kept {base}")
+        else:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
