@@ -30,6 +30,10 @@ LOCK_POLL_S = 2.0
 EXIT_INPUT = 3                # unreadable input: a malformed record (DESIGN.md exit codes)
 
 
+class CacheWriteError(Exception):
+    """The cache could not be written (a full disk): a clear message, no half cache."""
+
+
 # ----------------------------------------------------------------------------- dataset
 
 class PreparedDataset:
@@ -328,7 +332,14 @@ def ensure(train_file: str | Path, target: str, data_conf: dict, tokenizer=None,
             why = str(e)
         say(f"{label}: tokenizing {train_file} ({why}) into {folder}")
         tok = tokenizer if tokenizer is not None else load_tokenizer(target)
-        man = build(train_file, target, fields, folder, tok, workers=workers, progress=progress, label=label)
+        try:
+            man = build(train_file, target, fields, folder, tok, workers=workers, progress=progress, label=label)
+        except OSError as e:
+            if getattr(e, "filename", None) and Path(e.filename) == train_file:
+                raise
+            raise CacheWriteError(f"cannot write the prepared data under {folder}: {e.strerror or e}; "
+                                  "nothing half-written was left (free space, or set LONGSPEC_CACHE_DIR "
+                                  "to a larger disk)") from None
         return PreparedDataset(folder, man), man, True
     finally:
         lock.release()
@@ -399,13 +410,13 @@ def guarded(cfg) -> int:
     except Exception as e:
         if isinstance(e, dsconfig.ConfigError):
             message = "invalid stage config:\n" + "\n".join(f"- {p}" for p in e.problems)
-        elif isinstance(e, train._user_errors()) or isinstance(e, OSError):
+        elif isinstance(e, (*train._user_errors(), CacheWriteError, OSError)):
             message = str(e)
         else:
             raise
         from longspec.data import DataError
 
-        code = EXIT_INPUT if isinstance(e, DataError) else train.EXIT_ERROR
+        code = EXIT_INPUT if isinstance(e, DataError) and not isinstance(e, CacheWriteError) else train.EXIT_ERROR
         if FLAGS.get("json"):
             print(json.dumps({"error": message, "exit_code": code}), flush=True)
         train.report_error(message)

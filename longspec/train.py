@@ -206,10 +206,12 @@ def prepared_dataset(conf: dict[str, Any], train_file: Path, tokenizer):
     lock; the others wait) when `longspec run`'s preflight has not built it already."""
     from longspec import prepare
 
-    d = conf["data"]
-    dataset, _, _ = prepare.ensure(train_file, conf["model_name_or_path"], d, tokenizer=tokenizer,
-                                   workers=1, progress=rank() == 0,
-                                   label=f"[{conf['stage']}] prepare (rank {rank()})")
+    try:
+        dataset, _, _ = prepare.ensure(train_file, conf["model_name_or_path"], conf["data"], tokenizer=tokenizer,
+                                       workers=1, progress=rank() == 0,
+                                       label=f"[{conf['stage']}] prepare (rank {rank()})")
+    except prepare.CacheWriteError as e:
+        raise TrainError(str(e)) from None
     return dataset
 
 

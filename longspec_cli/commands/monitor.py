@@ -121,8 +121,6 @@ def _text(d: dict) -> str:
     for s in d["stages"]:
         for why in s["reasons"]:
             lines.append(f"  {s['name']}: {why}")
-        if s.get("prepared"):
-            lines.append(f"  {s['name']}: data {_prepared_line(s['prepared'])}")
         if s["skipped_lines"]:
             lines.append(f"  {s['name']}: {s['skipped_lines']} malformed metrics line(s) skipped")
     if d["notice"]:
@@ -131,12 +129,6 @@ def _text(d: dict) -> str:
         lines.append(f"{a['level'].upper()}: {a['message']}")
     lines.append(f"next: {d['next']}")
     return "\n".join(lines)
-
-
-def _prepared_line(p: dict) -> str:
-    from longspec_cli.core.prepared import PreparedState
-
-    return PreparedState(**p).line()
 
 
 def _nulls(obj):

@@ -33,6 +33,7 @@ DATA_DEFAULTS = {"collator": "short_text", "max_seq_length": 1024, "on_bad_recor
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model",
                    "spiece.model", "chat_template.jinja", "chat_template.json")
+STATUS_HASH_LIMIT = 1 << 30   # status/validate hash a touched train_file only up to this size
 STATES = ("ready", "missing", "stale", "corrupt", "unknown")
 
 
@@ -88,11 +89,12 @@ def stat_key(path: Path) -> str:
 
 
 def check(folder: Path, fields: dict[str, Any], collator_version: int | None = None,
-          full: bool = True) -> dict:
+          full: bool = True, hash_source_up_to: int | None = None) -> dict:
     """The manifest when the cache in `folder` may be trained on; CacheProblem(why) otherwise.
 
-    Always: the key, the source file (size, then content sha256 when its stat changed), every
-    data file's length. full=True adds the checksums (only re-hashed when a file's stat changed)."""
+    Always: the key, the source file (size, then content sha256 when its stat changed, for files
+    up to hash_source_up_to bytes if given), every data file's length. full=True adds the
+    checksums (only re-hashed when a file's stat changed)."""
     from longspec_cli.core.runfolder import cached_sha256
 
     man = read_manifest(folder)
@@ -104,9 +106,15 @@ def check(folder: Path, fields: dict[str, Any], collator_version: int | None = N
         raise CacheProblem("prepared by another version of the collators")
     src, source = Path(fields["source"]), man.get("source") or {}
     try:
-        if src.stat().st_size != source.get("size") or (
-                stat_key(src) != source.get("stat") and cached_sha256(src) != source.get("sha256")):
+        size = src.stat().st_size
+        if size != source.get("size"):
             raise CacheProblem(f"stale: {src.name} changed since it was prepared")
+        if stat_key(src) != source.get("stat"):
+            if hash_source_up_to is not None and size > hash_source_up_to:
+                raise CacheProblem(f"stale: {src.name} was modified since it was prepared "
+                                   "(`longspec prepare` compares its content)")
+            if cached_sha256(src) != source.get("sha256"):
+                raise CacheProblem(f"stale: {src.name} changed since it was prepared")
     except OSError:
         raise CacheProblem(f"stale: {src} is missing") from None
     for name, info in (man.get("files") or {}).items():
@@ -205,7 +213,8 @@ def stage_prepared(conf: dict, base_dir: Path, world: int = 1, full: bool = Fals
     fields = key_fields(train_p, target_p, conf.get("data"))
     folder = cache_dir(fields)
     try:
-        man = check(folder, fields, collator_version(), full=full)
+        man = check(folder, fields, collator_version(), full=full,
+                    hash_source_up_to=None if full else STATUS_HASH_LIMIT)
     except CacheProblem as e:
         state = str(e).split(":")[0] if str(e).startswith(("stale", "corrupt")) else "missing"
         return PreparedState(state, str(e), str(folder))

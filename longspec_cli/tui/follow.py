@@ -411,7 +411,9 @@ class ProjectFollower:
         from longspec_cli.core.status import project_status
 
         key = self.structure_key()
-        return key, project_status(self.manifest)
+        statuses = project_status(self.manifest)
+        _note_prepared(self.manifest, statuses)
+        return key, statuses
 
     def invalidate_status(self) -> None:
         """Something outside the run folders changed (a config edited by next-stage): recompute."""
@@ -431,6 +433,17 @@ class ProjectFollower:
         all_alerts = tuple(a for s in stages for a in s.alerts)
         return ProjectView(name=self.manifest.name, root=str(self.root), stages=stages, current=current,
                            notice=notice, alerts=all_alerts)
+
+
+def _note_prepared(manifest, statuses: list) -> None:
+    """A reason line per stage whose data is prepared (tokens, epochs covered), stale or corrupt."""
+    from longspec_cli.core.prepared import project_prepared
+
+    prepared = project_prepared(manifest)
+    for st in statuses:
+        p = prepared.get(st.name)
+        if p is not None and p.state in ("ready", "stale", "corrupt"):
+            st.reasons.append(f"data {p.line()}")
 
 
 def _current(stages: tuple[StageView, ...]) -> int:

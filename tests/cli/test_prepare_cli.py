@@ -37,6 +37,9 @@ def test_prepare_then_status_validate_and_a_changed_or_bad_train_file(tmp_path):
     assert st["state"] == "ready" and st["tokens"] == r["tokens"]
     assert st["epochs"] == r["epochs"] and st["steps_per_epoch"] == r["steps_per_epoch"]
     assert "train_file prepared: 2,500 records" in cli("validate", str(proj)).stdout
+    once = cli("monitor", str(proj), "--once", "--json")
+    assert json.loads(once.stdout)["stages"][0]["prepared"]["tokens"] == r["tokens"]
+    assert "base: data ready" in cli("monitor", str(proj), "--once").stdout
 
     data = proj / "assets" / "data" / "base.jsonl"
     with data.open("a") as f:

@@ -192,3 +192,25 @@ def test_json_array_read_in_small_chunks_gives_the_whole_read_records(tmp_path, 
     path.write_text('[{"text": "a"},\n{"text": "b"}\n{"text": "c"}]')
     with pytest.raises(data.DataError, match=r"a\.json:3: expected ',' or ']'"):
         list(data.read_records(path))
+
+
+def test_a_full_disk_mid_build_leaves_no_cache_and_says_so(tiny, tok, tmp_path, monkeypatch):
+    import errno
+
+    src = big_jsonl(tmp_path / "d.jsonl", 1)
+    real = prepare._Writer._put
+    calls = {"n": 0}
+
+    def put(self, kind, arr):                      # the disk fills up after a few records
+        calls["n"] += 1
+        if calls["n"] > 40:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(self, kind, arr)
+
+    monkeypatch.setattr(prepare._Writer, "_put", put)
+    with pytest.raises(prepare.CacheWriteError, match="No space left on device"):
+        prepare.ensure(src, str(tiny["target"]), opts("short_text", 256), tokenizer=tok, progress=False)
+    folder = next((tmp_path / "cache" / "prepared").iterdir())
+    assert list(folder.iterdir()) == []                # no manifest, no temp files
+    monkeypatch.setattr(prepare._Writer, "_put", real)
+    assert prepare.ensure(src, str(tiny["target"]), opts("short_text", 256), tokenizer=tok, progress=False)[2]

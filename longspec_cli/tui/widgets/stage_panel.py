@@ -72,6 +72,9 @@ def _rows(st: StageView) -> tuple[tuple, ...]:
         rows.append(("tau", _f(st.tau, ".2f"), "tree tau", _f(st.tree_tau, ".2f")))
     if st.state in ("failed", "stale") and st.reasons:
         rows.append(("why", Text(st.reasons[0], "red"), "", ""))
+    for why in st.reasons:  # the prepared training data (follow._note_prepared)
+        if why.startswith("data "):
+            rows.append(("data", Text(why[5:], "dim" if why.startswith("data ready") else "yellow"), "", ""))
     if st.skipped_lines:
         rows.append(("note", Text(f"{st.skipped_lines} malformed metrics line(s) skipped", "yellow"), "", ""))
     return tuple(rows)
