@@ -154,6 +154,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="100,300", help="MiB of JSONL to prepare, comma-separated")
     ap.add_argument("--no-launch", action="store_true", help="skip the launch-to-first-step part")
+    ap.add_argument("--launch-sizes", default="1,100", help="small,big MiB for launch to first step")
     ap.add_argument("--keep", action="store_true", help="keep the temp folder")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -170,11 +171,12 @@ def main() -> None:
                 sys.exit(f"prepare failed:\n{res.stderr[-3000:]}")
             r = json.loads(res.stdout)["stages"][0]
             rate = r["tokens"] / r["build_seconds"]
-            ref, ref_tokens = encode_batch_rate(proj / "assets" / "target", data)
+            if not rows:                      # the reference on the first size's texts (same kind of text after)
+                ref, ref_tokens = encode_batch_rate(proj / "assets" / "target", data)
             hit, _, hres = run_tree([*LONGSPEC, "prepare", str(proj), "base", "--json"], cache)
             hit_r = json.loads(hres.stdout)["stages"][0]
             rows.append((mb, r, wall, peak, rate, ref, hit, hit_r))
-            print(f"{mb:>5} MiB: {r['records']:,} records, {r['tokens']:,} tokens (encode_batch: {ref_tokens:,}); "
+            print(f"{mb:>5} MiB: {r['records']:,} records, {r['tokens']:,} tokens (encode_batch, {sizes[0]} MiB: {ref_tokens:,}); "
                   f"prepare {r['build_seconds']:.1f} s tokenizing ({wall:.1f} s wall) = {rate / 1e6:.2f} M tok/s, encode_batch {ref / 1e6:.2f} M tok/s "
                   f"-> {rate / ref:.2f}x (goal >= 0.7x); peak RSS of the tree {peak / MIB:.0f} MiB "
                   f"(goal <= 800); cache hit {hit:.2f} s (built={hit_r['built']}; goal <= 3 s); load {load()}")
@@ -183,24 +185,27 @@ def main() -> None:
                   "(flat = 1.0x)")
         if args.no_launch:
             return
-        small_data = generate(base / "data-1.jsonl", 1)
-        small = project(base, "p1", small_data)
-        big = next((base / f"p{mb}" for mb in sizes if mb == 100), None) or project(
-            base, "p100", generate(base / "data-100.jsonl", 100))
-        cache_small, cache_big = base / "cache-1", base / "cache-100"
-        cold_small = first_step_wall(small, cache_small)      # prepares 1 MB on the way
-        warm_small = first_step_wall(small, cache_small)
-        warm_big = first_step_wall(big, cache_big) if (cache_big / "prepared").exists() else None
-        if warm_big is None:
-            cold_big = first_step_wall(big, cache_big)
-            warm_big = first_step_wall(big, cache_big)
-        else:
-            shutil.rmtree(cache_big / "prepared")
-            cold_big = first_step_wall(big, cache_big)
-        print(f"launch to first step, 2-step run, cache prepared: 1 MiB {warm_small:.1f} s, 100 MiB {warm_big:.1f} s "
-              f"-> {warm_big / warm_small:.2f}x (goal <= 1.5x); load {load()}")
-        print(f"launch to first step, cold (run prepares first): 1 MiB {cold_small:.1f} s, 100 MiB {cold_big:.1f} s "
-              f"-> {cold_big / cold_small:.2f}x")
+        lo, hi = (int(x) for x in args.launch_sizes.split(","))
+        projs = {}
+        for mb in (lo, hi):
+            projs[mb] = base / f"p{mb}" if (base / f"p{mb}").exists() else project(
+                base, f"p{mb}", generate(base / f"data-{mb}.jsonl", mb))
+        walls = {}
+        for mb in (lo, hi):
+            cache = base / f"cache-{mb}"
+            built_before = (cache / "prepared").exists()
+            if mb == lo:                                      # cold: `run` prepares first
+                shutil.rmtree(cache / "prepared", ignore_errors=True)
+                walls[mb, "cold"] = first_step_wall(projs[mb], cache)
+            elif not built_before:
+                walls[mb, "cold"] = first_step_wall(projs[mb], cache)
+            walls[mb, "warm"] = min(first_step_wall(projs[mb], cache) for _ in range(2))
+        print(f"launch to first step, 2-step run, cache prepared (best of 2): {lo} MiB {walls[lo, 'warm']:.1f} s, "
+              f"{hi} MiB {walls[hi, 'warm']:.1f} s -> {walls[hi, 'warm'] / walls[lo, 'warm']:.2f}x "
+              f"(goal <= 1.5x); load {load()}")
+        print(f"launch to first step, cold (run prepares first): {lo} MiB {walls[lo, 'cold']:.1f} s"
+              + (f", {hi} MiB {walls[hi, 'cold']:.1f} s" if (hi, "cold") in walls else
+                 f" ({hi} MiB: its prepare wall above + the warm launch)"))
     finally:
         if args.keep:
             print(f"kept {base}")

@@ -132,9 +132,11 @@ def launch_argv(conf: Path, stage: str, ranks: int, *overrides: str) -> list[str
             "longspec.train", "--config-dir", str(conf), f"+exp={stage}", *overrides]
 
 
-def launch(conf: Path, stage: str, ranks: int, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run(launch_argv(conf, stage, ranks, *overrides), cwd=conf.parent, env=env(),
-                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+def launch(conf: Path, stage: str, ranks: int, *overrides: str, extra_env: dict | None = None
+           ) -> subprocess.CompletedProcess:
+    return subprocess.run(launch_argv(conf, stage, ranks, *overrides), cwd=conf.parent,
+                          env={**env(), **(extra_env or {})}, capture_output=True, text=True,
+                          timeout=LAUNCH_TIMEOUT)
 
 
 def direct(cwd: Path, *args: str) -> subprocess.CompletedProcess:
@@ -485,10 +487,13 @@ def test_stage2_two_ranks_zero3_offload_chains_from_stage1_and_every_rank_exits_
     assert base_run["proc"].returncode == 0, show(base_run["proc"])
     stage1 = base_run["run"] / "draft_model_weights.pth"
     conf = write_project(tmp_path, tiny, draft=str(stage1))
-    proc = launch(conf, "long", 2)
+    proc = launch(conf, "long", 2, extra_env={"LONGSPEC_CACHE_DIR": str(tmp_path / "cache")})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, show(proc)
     assert len(re.findall(r"Process \d+ exits successfully", out)) == 2, show(proc)
+    # both ranks start on a missing prepared cache: one tokenizes, the other uses what it built
+    assert len(re.findall(r"prepare \(rank \d\): tokenizing", out)) == 1, show(proc)
+    assert len(list((tmp_path / "cache" / "prepared").glob("*/manifest.json"))) == 1
     assert "terminate called" not in out and "exits with return code" not in out
 
     # each rank built the target and the draft already partitioned: about half of each, never all
