@@ -1,6 +1,6 @@
 """Prepared (tokenized) training data: where a stage's cache lives and what state it is in.
 
-Pure: no torch, numpy or transformers. `longspec prepare` (python -m longspec.prepare) builds a
+Pure: no torch, numpy or transformers (status composes the stage with Hydra, as validate does). `longspec prepare` (python -m longspec.prepare) builds a
 cache; the trainer memory-maps it; `status`, `validate` and the monitor read its small manifest.
 
 A cache is a folder $LONGSPEC_CACHE_DIR/prepared/<stem>-<key>/ named by the source path, the
@@ -302,14 +302,13 @@ def summary_lines(man: dict, steps: int | None = None, global_batch: int | None 
 def project_prepared(manifest) -> dict[str, PreparedState]:
     """Each stage's prepared state (composed config, the manifest's world size; lengths checked,
     checksums only where a file's stat changed since it was written)."""
-    from longspec_cli.core.compose import compose_file
+    from longspec_cli.core.hydracompose import compose_stage, stage_overrides
 
     world = max(1, manifest.launch.gpus) * max(1, manifest.launch.nodes)
     out: dict[str, PreparedState] = {}
-    cache: dict = {}
     for spec in manifest.stages:
         try:
-            c = compose_file(spec.config, cache)
+            c = compose_stage(spec.config, stage_overrides(spec.output_dir, []))
         except OSError:
             c = None
         out[spec.name] = (stage_prepared(c.data, manifest.root, world) if c is not None and c.ok

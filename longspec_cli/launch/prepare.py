@@ -17,16 +17,11 @@ from longspec_cli.core.manifest import Manifest, StageSpec
 
 def stage_conf(spec: StageSpec, overrides: list[str] = ()) -> dict[str, Any] | None:
     """The stage's composed config with the command-line overrides applied; None if unreadable."""
+    from longspec_cli.core.hydracompose import stage_overrides
     from longspec_cli.launch import pipeline
 
-    c = pipeline.composed(spec.config)
-    if not c.ok:
-        return None
-    conf = copy.deepcopy(c.data)
-    for item in overrides:
-        key, _, value = item.lstrip("+").partition("=")
-        pipeline._set_dotted(conf, key, pipeline._yaml_scalar(value))
-    return conf
+    c = pipeline.composed(spec.config, tuple(stage_overrides(spec.output_dir, list(overrides))))
+    return copy.deepcopy(c.data) if c.ok else None
 
 
 def world_of(manifest: Manifest) -> int:
