@@ -10,8 +10,10 @@ Collators (the `data.collator` key):
               through the tokenizer's chat template; every token trained ("no-mask").
   long_cot    stage 3: `problem` + `qwq` (QwQ-LongCoT) or `prompt` + `response`; the prompt is
               a user turn through the chat template and is not trained, the answer is.
-Every sample ends with EOS (cut off by truncation); EOS is a label only with train_eos=True
-(upstream drops it by accident, since its pad id is the EOS id).
+Plain documents end with the tokenizer's EOS (cut off by truncation); chat renders end with the
+template's own end-of-turn token. Labels drop the pad token only, as the reference trainer does
+(`labels == pad_token_id -> -100`): end-of-turn tokens such as `<|im_end|>` are trained, and a
+tokenizer whose EOS is its pad (Qwen's `<|endoftext|>`) leaves the document end untrained.
 """
 
 from __future__ import annotations
@@ -235,11 +237,18 @@ def _long_cot(rec: dict, tokenizer):
 ENCODERS = {"short_text": _short_text, "long_data": _long_data, "long_cot": _long_cot}
 
 
-def encode_record(rec: dict, tokenizer, collator: str, max_seq_length: int,
-                  train_eos: bool = False) -> tuple[list[int], list[bool]]:
+def label_pad_id(tokenizer) -> int | None:
+    """The one token id labels never train: the tokenizer's pad, or its EOS when it has none
+    (the trainer pads with EOS then, as the reference configs set pad = eos)."""
+    pad = tokenizer.pad_token_id
+    return tokenizer.eos_token_id if pad is None else pad
+
+
+def encode_record(rec: dict, tokenizer, collator: str,
+                  max_seq_length: int) -> tuple[list[int], list[bool]]:
     """Token ids and their trained flags for one record (RecordError if it does not fit)."""
     pieces, plain = ENCODERS[collator](rec, tokenizer)
-    eos = tokenizer.eos_token_id
+    eos, pad = tokenizer.eos_token_id, label_pad_id(tokenizer)
     ids: list[int] = []
     trained: list[bool] = []
     for i, (text, tr) in enumerate(pieces):
@@ -248,11 +257,11 @@ def encode_record(rec: dict, tokenizer, collator: str, max_seq_length: int,
             toks = _cap_prompt(toks, max_seq_length)
         ids += toks
         trained += [tr] * len(toks)
-    if eos is not None and (not ids or ids[-1] != eos):
-        ids.append(eos)
+    if plain and eos is not None and (not ids or ids[-1] != eos):
+        ids.append(eos)                               # a document boundary, as the reference adds
         trained.append(True)
-    if eos is not None:
-        trained = [t and (train_eos or tok != eos) for tok, t in zip(ids, trained)]
+    if pad is not None:
+        trained = [t and tok != pad for tok, t in zip(ids, trained)]
     ids, trained = ids[:max_seq_length], trained[:max_seq_length]
     if not any(trained):
         raise RecordError(f"no trained tokens within max_seq_length={max_seq_length}")
@@ -293,7 +302,7 @@ class TokenDataset(Dataset):
 
 
 def build_dataset(path, tokenizer, collator: str, max_seq_length: int,
-                  on_bad_record: str = "error", train_eos: bool = False) -> TokenDataset:
+                  on_bad_record: str = "error") -> TokenDataset:
     """Read and tokenize a whole JSON/JSONL file for one stage's collator."""
     if collator not in ENCODERS:
         raise DataError(f"unknown collator {collator!r}; choose one of {', '.join(COLLATORS)}")
@@ -307,7 +316,7 @@ def build_dataset(path, tokenizer, collator: str, max_seq_length: int,
     samples = []
     for line, rec in read_records(path, on_bad_record, problems):
         try:
-            ids, trained = encode_record(rec, tokenizer, collator, max_seq_length, train_eos)
+            ids, trained = encode_record(rec, tokenizer, collator, max_seq_length)
         except RecordError as e:
             msg = f"{path}:{line}: {e} (collator {collator})"
             if on_bad_record == "error":

@@ -217,7 +217,8 @@ def test_cross_attention_respects_the_lag(family, tiny_target):
 
 
 def test_self_attention_window(family, tiny_target):
-    """With a window of 4, the draft's output at t ignores inputs at t-4 and earlier (cross-attn fixed)."""
+    """Window 4 = flash-attn's window_size=(4, -1): the draft's output at t sees t-4..t (5 keys)
+    and ignores t-5 and earlier (cross-attn fixed)."""
     model = glide(tiny_target, window=4)
     ids, _, pos = batch(T=16)
     tgt = model.target(ids, pos)
@@ -225,10 +226,10 @@ def test_self_attention_window(family, tiny_target):
     t = 12
     base = model.draft(emb, pos, tgt.k, tgt.v)
     emb2 = emb.clone()
-    emb2[:, : t - 3] += 3.0                                   # positions <= t-4
+    emb2[:, : t - 4] += 3.0                                   # positions <= t-5
     torch.testing.assert_close(model.draft(emb2, pos, tgt.k, tgt.v)[:, t], base[:, t])
     emb3 = emb.clone()
-    emb3[:, t - 3] += 3.0                                     # t-3 is inside the window
+    emb3[:, t - 4] += 3.0                                     # t-4 is inside the window
     assert not torch.allclose(model.draft(emb3, pos, tgt.k, tgt.v)[:, t], base[:, t])
 
 

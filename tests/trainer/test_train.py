@@ -49,7 +49,6 @@ data:
   collator: {collator}
   max_seq_length: {seq}
   on_bad_record: error
-  train_eos: false
 
 positions:
   mode: anchor_offset
