@@ -97,7 +97,7 @@ zero_optimization:
 MANIFEST = """\
 name: demo
 preset: null
-variant: sinkpi
+variant: sinkpi-slicing
 target: target
 launch: {{gpus: 8, nodes: {nodes}, hostfile: {hostfile}}}
 stages:
