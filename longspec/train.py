@@ -188,6 +188,7 @@ def preflight(conf: dict[str, Any]) -> Preflight:
     for name in ("wandb", "tensorboard"):
         if conf["logging"][name]:
             _require_logger(name)
+    _check_kernels(conf)
 
     draft_state, draft_sha = None, None
     if conf["draft_model_name_or_path"] is not None:
@@ -246,6 +247,24 @@ def _load_draft(path: Path, tcfg, conf: dict[str, Any]):
                 file = path / name
                 break
     return state, (sha256_file(file) if file.is_file() else None)
+
+
+def _check_kernels(conf: dict[str, Any]) -> None:
+    """``kernels: fused`` where the fused kernels cannot run is refused before anything loads."""
+    if conf["kernels"] != "fused":
+        return
+    import torch
+
+    from longspec import kernels
+
+    if conf["precision"] == "fp32":
+        raise TrainError("kernels = fused needs precision bf16 or fp16 (flash-attn has no fp32 "
+                         "kernels); set precision=bf16 or kernels=auto")
+    kernels.set_mode("fused")
+    try:
+        kernels.backend("cuda" if torch.cuda.is_available() else "cpu")
+    except kernels.KernelUnavailable as e:
+        raise TrainError(str(e)) from None
 
 
 def _require_logger(name: str) -> None:
@@ -399,9 +418,6 @@ class Session:
         kernels.set_mode(self.conf["kernels"])
         device = "cpu" if self.on_cpu else accel.device_name()
         on_cuda = device.startswith("cuda")
-        if self.conf["kernels"] == "fused" and self.conf["precision"] == "fp32":
-            raise TrainError("kernels = fused needs precision bf16 or fp16 (flash-attn has no fp32 "
-                             "kernels); set precision=bf16 or kernels=auto")
         try:
             chosen = kernels.backend(device if on_cuda else "cpu")
         except kernels.KernelUnavailable as e:
