@@ -33,7 +33,7 @@ elif "$PY" -c "import flash_attn, liger_kernel" 2>/dev/null; then
   install_status="already installed"
 else
   say "installing the gpu extra"
-  timeout 240 "$PY" -m pip install --quiet "flash-attn>=2.6" "liger-kernel>=0.5" "nvidia-ml-py>=12" \
+  timeout 240 "$PY" -m pip install --quiet --retries 1 --timeout 15 "flash-attn>=2.6" "liger-kernel>=0.5" "nvidia-ml-py>=12" \
       --no-build-isolation >"$WORK/install.log" 2>&1
   install_rc=$?
   install_status=$([[ $install_rc == 0 ]] && echo "installed" || echo "failed (rc $install_rc): $(tail -n 3 "$WORK/install.log" | tr '\n' ' ')")
