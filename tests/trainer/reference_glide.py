@@ -12,8 +12,9 @@ Notation (one sequence b; positions t, s from 0; W window; j lag):
     c   = a + CrossAttn(RMS(a), K_L, V_L), key s visible to t  iff  s <= t - j
     h   = c + MLP(RMS(c))                              SwiGLU
     loss = mean over t with label_{t+1} != -100 and real tokens of  -log softmax(h_t H^T)[id_{t+1}]
-K_L, V_L: the target's last layer keys/values (after its input norm and RoPE at the same
-positions). A query with no visible key outputs 0. Padded keys (attention_mask 0) are never
+K_L, V_L: the target's last layer keys/values (after its input norm, its per-head k norm when
+the family has one (Qwen3), and RoPE at the same positions). Queries and keys of a Qwen3 draft
+get the same per-head norm before RoPE. A query with no visible key outputs 0. Padded keys (attention_mask 0) are never
 visible and padded tokens carry no label.
 """
 from __future__ import annotations
@@ -100,6 +101,8 @@ def target_last_kv(hf_model, input_ids, position_ids, attention_mask, cos, sin, 
     att = layer.self_attn
     k = heads(x, att.k_proj.weight.to(dtype), None if att.k_proj.bias is None else att.k_proj.bias.to(dtype), hd)
     v = heads(x, att.v_proj.weight.to(dtype), None if att.v_proj.bias is None else att.v_proj.bias.to(dtype), hd)
+    if getattr(att, "k_norm", None) is not None:           # Qwen3: per-head RMSNorm on k before RoPE
+        k = rms(k, att.k_norm.weight.to(dtype), att.k_norm.variance_epsilon)
     return rotate(k, cos, sin), v, out.logits
 
 
@@ -108,16 +111,23 @@ def glide_block(p: dict[str, torch.Tensor], x, cos, sin, tk, tv, *, heads_q: int
     """The draft block on embeddings x (B, T, H) with parameters ``p`` (reference layout names)."""
     B, T, _ = x.shape
     key_mask = attention_mask
+
+    def qk(n, attn, which):
+        """Projected heads; with the family's per-head q/k norm (Qwen3) when the draft has one."""
+        y = heads(n, p[f"{attn}.{which}_proj.weight"], p.get(f"{attn}.{which}_proj.bias"), head_dim)
+        norm = p.get(f"{attn}.{which}_norm.weight")
+        return y if norm is None else rms(y, norm, eps)
+
     # self-attention in the window
     n = rms(x, p["input_layernorm.weight"], eps)
-    q = rotate(heads(n, p["self_attn.q_proj.weight"], p.get("self_attn.q_proj.bias"), head_dim), cos, sin)
-    k = rotate(heads(n, p["self_attn.k_proj.weight"], p.get("self_attn.k_proj.bias"), head_dim), cos, sin)
+    q = rotate(qk(n, "self_attn", "q"), cos, sin)
+    k = rotate(qk(n, "self_attn", "k"), cos, sin)
     v = heads(n, p["self_attn.v_proj.weight"], p.get("self_attn.v_proj.bias"), head_dim)
     y = attend(q, k, v, visibility(T, T, window=window, lag=0, key_mask=key_mask))
     a = x + merge(y) @ p["self_attn.o_proj.weight"].T
     # cross-attention onto the target's K/V, lagged
     n = rms(a, p["post_self_attention_layernorm.weight"], eps)
-    q = rotate(heads(n, p["cross_attn.q_proj.weight"], p.get("cross_attn.q_proj.bias"), head_dim), cos, sin)
+    q = rotate(qk(n, "cross_attn", "q"), cos, sin)
     y = attend(q, tk, tv, visibility(T, tk.shape[2], window=None, lag=lag, key_mask=key_mask))
     c = a + merge(y) @ p["cross_attn.o_proj.weight"].T
     # SwiGLU MLP

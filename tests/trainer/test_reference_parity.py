@@ -2,7 +2,7 @@
 
 Forward (draft output, draft loss, target loss, the target's K/V) and every draft gradient, across
 window, lag, per-sequence sinks, right padding and GQA (the tiny targets have 4 query heads over 2
-KV heads), on both families. CPU: the reference kernels in fp32 against the fp64 reference at 1e-5.
+KV heads), on every target family. CPU: the reference kernels in fp32 against the fp64 reference at 1e-5.
 GPU (marked ``gpu``): the fused kernels (flash-attn + Liger) in bf16 and fp32 against the same
 reference.
 """
