@@ -53,7 +53,7 @@ learning_rate: 5.0e-4
 MANIFEST = """\
 name: bench
 preset: null
-variant: sinkpi
+variant: sinkpi-slicing
 target: assets/target
 launch: {gpus: 1, nodes: 1, hostfile: null}
 stages:

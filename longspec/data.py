@@ -10,8 +10,10 @@ Collators (the `data.collator` key):
               through the tokenizer's chat template; every token trained ("no-mask").
   long_cot    stage 3: `problem` + `qwq` (QwQ-LongCoT) or `prompt` + `response`; the prompt is
               a user turn through the chat template and is not trained, the answer is.
-Every sample ends with EOS (cut off by truncation); EOS is a label only with train_eos=True
-(upstream drops it by accident, since its pad id is the EOS id).
+Plain documents end with the tokenizer's EOS (cut off by truncation); chat renders end with the
+template's own end-of-turn token. Labels drop the pad token only, as the reference trainer does
+(`labels == pad_token_id -> -100`): end-of-turn tokens such as `<|im_end|>` are trained, and a
+tokenizer whose EOS is its pad (Qwen's `<|endoftext|>`) leaves the document end untrained.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 IGNORE = -100
 # Bump whenever the tokens or labels a collator produces change: prepared caches made by an
 # older rule are then rebuilt (it is part of their key).
-COLLATOR_VERSION = 1
+COLLATOR_VERSION = 2
 COLLATORS = ("short_text", "long_data", "long_cot")
 BAD_RECORD_MODES = ("error", "skip")
 _KEEP_PROBLEMS = 20  # skipped-record messages kept for the log
@@ -276,18 +278,26 @@ def _long_cot(rec: dict, tokenizer):
 ENCODERS = {"short_text": _short_text, "long_data": _long_data, "long_cot": _long_cot}
 
 
-def encode_record(rec: dict, tokenizer, collator: str, max_seq_length: int,
-                  train_eos: bool = False) -> tuple[list[int], list[bool]]:
+def label_pad_id(tokenizer) -> int | None:
+    """The one token id labels never train: the tokenizer's pad, or its EOS when it has none
+    (the trainer pads with EOS then, as the reference configs set pad = eos)."""
+    pad = tokenizer.pad_token_id
+    return tokenizer.eos_token_id if pad is None else pad
+
+
+def encode_record(rec: dict, tokenizer, collator: str,
+                  max_seq_length: int) -> tuple[list[int], list[bool]]:
     """Token ids and their trained flags for one record (RecordError if it does not fit)."""
     pieces, plain = ENCODERS[collator](rec, tokenizer)
     toks = [tokenizer(text, add_special_tokens=plain and i == 0)["input_ids"]
             for i, (text, _) in enumerate(pieces)]
-    ids, trained, _ = assemble(pieces, toks, tokenizer.eos_token_id, max_seq_length, train_eos)
+    ids, trained, _ = assemble(pieces, toks, plain, tokenizer.eos_token_id, label_pad_id(tokenizer),
+                               max_seq_length)
     return ids, trained
 
 
-def encode_records(recs: list[dict], tokenizer, collator: str, max_seq_length: int,
-                   train_eos: bool = False) -> list[tuple[list[int], list[bool], int] | RecordError]:
+def encode_records(recs: list[dict], tokenizer, collator: str,
+                   max_seq_length: int) -> list[tuple[list[int], list[bool], int] | RecordError]:
     """encode_record for many records with one batched tokenizer call per special-token mode:
     (ids, trained, untruncated length) per record, or its RecordError. Same tokens as encode_record."""
     rendered: list = []
@@ -303,26 +313,27 @@ def encode_records(recs: list[dict], tokenizer, collator: str, max_seq_length: i
             special = plain and i == 0
             slots.append((special, len(texts[special])))
             texts[special].append(text)
-        rendered.append((pieces, slots))
+        rendered.append((pieces, plain, slots))
     encoded = {special: tokenizer(batch, add_special_tokens=special)["input_ids"] if batch else []
                for special, batch in texts.items()}
+    eos, pad = tokenizer.eos_token_id, label_pad_id(tokenizer)
     out: list = []
     for item in rendered:
         if isinstance(item, RecordError):
             out.append(item)
             continue
-        pieces, slots = item
+        pieces, plain, slots = item
         try:
-            out.append(assemble(pieces, [encoded[s][j] for s, j in slots], tokenizer.eos_token_id,
-                                max_seq_length, train_eos))
+            out.append(assemble(pieces, [encoded[s][j] for s, j in slots], plain, eos, pad, max_seq_length))
         except RecordError as e:
             out.append(e)
     return out
 
 
-def assemble(pieces, toks: list[list[int]], eos: int | None, max_seq_length: int,
-             train_eos: bool) -> tuple[list[int], list[bool], int]:
-    """The one label rule: pieces' tokens in order, prompt capped, EOS appended, truncated.
+def assemble(pieces, toks: list[list[int]], plain: bool, eos: int | None, pad: int | None,
+             max_seq_length: int) -> tuple[list[int], list[bool], int]:
+    """The one label rule: pieces' tokens in order, prompt capped, EOS appended to plain text (a
+    document boundary, as the reference adds), only the pad token untrained, truncated.
     Returns (ids, trained, length before truncation)."""
     ids: list[int] = []
     trained: list[bool] = []
@@ -331,11 +342,11 @@ def assemble(pieces, toks: list[list[int]], eos: int | None, max_seq_length: int
             piece = _cap_prompt(piece, max_seq_length)
         ids += piece
         trained += [tr] * len(piece)
-    if eos is not None and (not ids or ids[-1] != eos):
-        ids.append(eos)
+    if plain and eos is not None and (not ids or ids[-1] != eos):
+        ids.append(eos)                               # a document boundary, as the reference adds
         trained.append(True)
-    if eos is not None:
-        trained = [t and (train_eos or tok != eos) for tok, t in zip(ids, trained)]
+    if pad is not None:
+        trained = [t and tok != pad for tok, t in zip(ids, trained)]
     full = len(ids)
     ids, trained = ids[:max_seq_length], trained[:max_seq_length]
     if not any(trained):
@@ -377,7 +388,7 @@ class TokenDataset(Dataset):
 
 
 def build_dataset(path, tokenizer, collator: str, max_seq_length: int,
-                  on_bad_record: str = "error", train_eos: bool = False) -> TokenDataset:
+                  on_bad_record: str = "error") -> TokenDataset:
     """Read and tokenize a whole JSON/JSONL file for one stage's collator."""
     if collator not in ENCODERS:
         raise DataError(f"unknown collator {collator!r}; choose one of {', '.join(COLLATORS)}")
@@ -391,7 +402,7 @@ def build_dataset(path, tokenizer, collator: str, max_seq_length: int,
     samples = []
     for line, rec in read_records(path, on_bad_record, problems):
         try:
-            ids, trained = encode_record(rec, tokenizer, collator, max_seq_length, train_eos)
+            ids, trained = encode_record(rec, tokenizer, collator, max_seq_length)
         except RecordError as e:
             msg = f"{path}:{line}: {e} (collator {collator})"
             if on_bad_record == "error":

@@ -9,8 +9,16 @@
 
 Visibility rule shared by both attention paths (query index t, key index s, both from 0):
     s <= t - lag                      (causal, shifted back by ``lag``)
-    s >  t - lag - window             (only when ``window`` is set: ``window`` keys at most)
-Queries with no visible key (t < lag, or everything padded) return 0, never NaN.
+    s >= t - lag - window             (only when ``window`` is set: ``window + 1`` keys at most,
+                                       the query's own position included)
+The window is flash-attn's ``window_size=(window, -1)`` with causal=True, the reference GLIDE
+draft's setting: ``window=512`` sees 513 keys. Queries with no visible key (t < lag, or everything
+padded) return 0, never NaN.
+
+Which implementation runs is chosen once per process by ``set_mode``:
+    auto       fused kernels where they can run (CUDA, installed), the reference path elsewhere
+    fused      fused kernels or an error: a GPU run never falls back silently
+    reference  the torch reference path everywhere (slow on long sequences; for checks)
 """
 from __future__ import annotations
 
@@ -25,6 +33,23 @@ import torch.nn.functional as F
 _SDPA_SCORE_BUDGET = 1 << 24
 # Rows of logits per chunk on the reference cross-entropy path (see bench/bench_linear_ce.py).
 DEFAULT_CE_CHUNK = 1024
+MODES = ("auto", "fused", "reference")
+_mode = {"value": "auto"}
+
+
+class KernelUnavailable(RuntimeError):
+    """``kernels: fused`` was asked for, and a fused kernel cannot run here."""
+
+
+def set_mode(mode: str) -> None:
+    """auto | fused | reference (see the module docstring); the trainer sets it from `kernels`."""
+    if mode not in MODES:
+        raise ValueError(f"kernels must be one of {', '.join(MODES)} (got {mode!r})")
+    _mode["value"] = mode
+
+
+def mode() -> str:
+    return _mode["value"]
 
 
 # ----------------------------------------------------------------------------- availability
@@ -53,13 +78,23 @@ def _liger_loss_cls():
 
 
 def backend(device: torch.device | str | None = None) -> dict[str, str]:
-    """Which implementation each op uses on ``device`` (default: cuda if present), for logs."""
+    """Which implementation each op uses on ``device`` (default: cuda if present) under the
+    current mode, for logs. Raises KernelUnavailable in ``fused`` mode when one cannot run."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     on_cuda = torch.device(device).type == "cuda"
+    m = mode()
+    flash = on_cuda and m != "reference" and _flash_attn_func() is not None
+    liger = on_cuda and m != "reference" and _liger_loss_cls() is not None
+    if m == "fused" and not (flash and liger):
+        missing = [name for name, ok in (("flash-attn", flash), ("liger-kernel", liger)) if not ok]
+        where = "no CUDA device" if not on_cuda else f"{' and '.join(missing)} not importable"
+        raise KernelUnavailable(
+            f"kernels = fused but {where}; install the gpu extra (pip install 'longspec[gpu]') "
+            "on a CUDA machine, or set kernels=auto (fused where possible) or kernels=reference")
     return {
-        "attention": "flash_attn" if on_cuda and _flash_attn_func() is not None else "sdpa",
-        "linear_cross_entropy": "liger" if on_cuda and _liger_loss_cls() is not None else "chunked",
+        "attention": "flash_attn" if flash else "sdpa",
+        "linear_cross_entropy": "liger" if liger else "chunked",
     }
 
 
@@ -80,9 +115,10 @@ def attention(
 ) -> torch.Tensor:
     """Attention with GQA. q (B, nh, T, hd); k, v (B, kvh, S, hd) -> (B, nh, T, hd).
 
-    window: query t sees at most ``window`` keys, ending at t - lag. lag: query t sees keys up to
-    t - lag only. key_padding_mask (B, S) bool/int, True/1 = real token. impl: None (automatic),
-    "flash" or "sdpa" (forcing flash where it cannot run raises).
+    window: query t sees keys t - lag - window .. t - lag (``window + 1`` keys, flash-attn's
+    ``window_size=(window, -1)``). lag: query t sees keys up to t - lag only. key_padding_mask
+    (B, S) bool/int, True/1 = real token. impl: None (from the mode), "flash" or "sdpa" (forcing
+    flash where it cannot run raises).
     """
     B, nh, T, hd = q.shape
     if k.dim() != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[-1] != hd:
@@ -90,8 +126,8 @@ def attention(
     kvh = k.shape[1]
     if nh % kvh != 0:
         raise ValueError(f"attention: {nh} query heads is not a multiple of {kvh} key/value heads")
-    if lag < 0 or (window is not None and window < 1):
-        raise ValueError(f"attention: lag must be >= 0 and window >= 1 (got lag={lag}, window={window})")
+    if lag < 0 or (window is not None and window < 0):
+        raise ValueError(f"attention: lag must be >= 0 and window >= 0 (got lag={lag}, window={window})")
     if not causal and (lag or window is not None):
         raise ValueError("attention: window and lag need causal=True")
     if key_padding_mask is not None:
@@ -102,22 +138,39 @@ def attention(
     if k.dtype != q.dtype:  # e.g. an fp32 draft attending to bf16 target K/V
         k, v = k.to(q.dtype), v.to(q.dtype)
 
-    use_flash = _flash_usable(q, k, causal, key_padding_mask)
-    if impl == "flash" and not use_flash:
-        raise RuntimeError("attention: flash-attn requested but not usable (needs CUDA, fp16/bf16, S == T, no padding)")
-    if impl == "sdpa" or not use_flash:
+    if impl is None:
+        impl = "sdpa" if mode() == "reference" else ("flash" if mode() == "fused" and q.is_cuda else None)
+    why_not = _flash_blocker(q, k, causal, key_padding_mask)
+    if impl == "flash" and why_not:
+        raise KernelUnavailable(f"attention: flash-attn requested but not usable here ({why_not})")
+    if impl == "sdpa" or why_not:
         return _sdpa_attention(q, k, v, causal, window, lag, key_padding_mask, scale, q_chunk)
     return _flash_attention(q, k, v, causal, window, lag, scale)
 
 
-def _flash_usable(q, k, causal, key_padding_mask) -> bool:
-    return (
-        _flash_attn_func() is not None
-        and q.is_cuda
-        and q.dtype in (torch.float16, torch.bfloat16)
-        and key_padding_mask is None
-        and (not causal or k.shape[2] == q.shape[2])
-    )
+def _flash_blocker(q, k, causal, key_padding_mask) -> str | None:
+    """Why flash-attn cannot compute this call exactly (None: it can).
+
+    Right padding is fine: with causal attention a real query never sees a later (padded) key,
+    and padded queries carry no label. Any other padding pattern needs the reference path.
+    """
+    if _flash_attn_func() is None:
+        return "flash-attn is not installed or does not import"
+    if not q.is_cuda:
+        return "tensors are not on CUDA"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {q.dtype} (flash-attn needs fp16 or bf16)"
+    if causal and k.shape[2] != q.shape[2]:
+        return "causal attention with keys and queries of different lengths"
+    if key_padding_mask is not None and not (causal and _right_padded(key_padding_mask)):
+        return "padding that is not right padding"
+    return None
+
+
+def _right_padded(key_padding_mask: torch.Tensor) -> bool:
+    """(B, S) bool: every row is real tokens followed by padding only."""
+    m = key_padding_mask.to(torch.int8)
+    return bool((m[:, 1:] <= m[:, :-1]).all())
 
 
 def _flash_attention(q, k, v, causal, window, lag, scale):
@@ -128,7 +181,7 @@ def _flash_attention(q, k, v, causal, window, lag, scale):
     qf, kf, vf = (x.transpose(1, 2) for x in (q, k, v))          # (B, T, heads, hd)
     if lag:  # shifting queries back by `lag` turns "t sees <= t - lag" into a plain causal mask
         qf, kf, vf = qf[:, lag:], kf[:, : T - lag], vf[:, : T - lag]
-    win = (window - 1, 0) if window is not None else (-1, -1)
+    win = (window, 0) if window is not None else (-1, -1)
     out = flash_attn_func(qf, kf, vf, softmax_scale=scale, causal=causal, window_size=win)  # (B, T-lag, nh, hd)
     if lag:
         out = torch.cat([out.new_zeros(B, lag, nh, hd), out], dim=1)
@@ -140,7 +193,7 @@ def visible_mask(t_idx: torch.Tensor, s_idx: torch.Tensor, window: int | None, l
     rel = t_idx[:, None] - lag - s_idx[None, :]    # >= 0 means key at or before t - lag
     mask = rel >= 0
     if window is not None:
-        mask &= rel < window
+        mask &= rel <= window
     return mask
 
 
@@ -155,14 +208,14 @@ def _sdpa_attention(q, k, v, causal, window, lag, key_padding_mask, scale, q_chu
         return out.reshape(B, nh, T, hd)
 
     first = min(lag, T)              # queries before `lag` see nothing: output 0
-    keys_per_query = S if window is None else min(S, window)
+    keys_per_query = S if window is None else min(S, window + 1)
     if q_chunk is None:
         q_chunk = _SDPA_SCORE_BUDGET // max(1, B * nh * 2 * keys_per_query)
     q_chunk = max(16, int(q_chunk))
     pieces = [q.new_zeros(B, nh, first, hd)] if first else []
     for t0 in range(first, T, q_chunk):
         t1 = min(T, t0 + q_chunk)
-        lo = 0 if window is None else max(0, t0 - lag - window + 1)   # first key any query here sees
+        lo = 0 if window is None else max(0, t0 - lag - window)       # first key any query here sees
         hi = min(S, t1 - lag)                                          # one past the last one
         pieces.append(_sdpa_chunk(q, k, v, t0, t1, lo, hi, window, lag, key_padding_mask, scale))
     return torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
@@ -222,9 +275,11 @@ def linear_cross_entropy(
     if bad.any():
         raise ValueError(f"linear_cross_entropy: label {int(labels[bad][0])} outside the vocabulary (size {vocab})")
 
-    use_liger = _liger_loss_cls() is not None and hidden.is_cuda
+    use_liger = _liger_loss_cls() is not None and hidden.is_cuda and mode() != "reference"
+    if impl is None and mode() == "fused" and hidden.is_cuda:
+        impl = "liger"
     if impl == "liger" and not use_liger:
-        raise RuntimeError("linear_cross_entropy: liger requested but not usable (needs CUDA and liger-kernel)")
+        raise KernelUnavailable("linear_cross_entropy: liger requested but not usable (needs CUDA and liger-kernel)")
     if impl != "chunked" and use_liger:
         loss_fn = _liger_loss_cls()(ignore_index=ignore_index, reduction="mean")
         return loss_fn(weight.float(), hidden.float(), labels).float()

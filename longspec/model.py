@@ -42,7 +42,7 @@ class DraftConfig:
     attention_bias: bool = True         # the reference draft has q/k/v biases in both families
     family: str = "qwen2"
     qk_norm: bool = False               # per-head q/k RMSNorm before RoPE (the family's layout)
-    sliding_window: int = 512
+    sliding_window: int = 512           # flash-attn window_size=(W, -1): W + 1 keys, own included
     initializer_range: float = 0.02
 
     @classmethod

@@ -2,8 +2,8 @@
 
 Anchor offset ("sink + offset", LongSpec sec. 3.3): short training sequences are given position ids
 far out in the target's range so a draft trained on 1k-token text has seen the large positions it
-meets at inference; the first few tokens keep positions 0..a-1 so they act as attention sinks, as
-real long prompts have them.
+meets at inference; the first a tokens (a drawn per sequence from 0..anchors) keep positions
+0..a-1 so they act as attention sinks, as real long prompts have them.
 """
 from __future__ import annotations
 
@@ -38,24 +38,26 @@ def anchor_offset_position_ids(
     generator: torch.Generator | None = None,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """(B, T) long: positions 0..a-1, then a+o, a+1+o, ... with one offset o ~ U{0..max_offset}.
+    """(B, T) long: row b keeps positions 0..a_b-1, then a_b+o, a_b+1+o, ...
 
-    The same offset is used for the whole batch. Sequences longer than ``threshold`` (or no longer
-    than ``anchors``) get plain positions.
+    The sink count a_b ~ U{0..anchors} is drawn for every sequence (the reference trainer draws
+    it per forward with one sequence per GPU); the offset o ~ U{0..max_offset} is one per batch.
+    Sequences longer than ``threshold`` get plain positions.
     """
     _check_positive(seq_len=seq_len, batch=batch)
     if anchors < 0 or max_offset < 0:
         raise ValueError(f"anchors and max_offset must be >= 0 (got anchors={anchors}, max_offset={max_offset})")
     pos = plain_position_ids(seq_len, batch, device)
-    if seq_len > threshold or seq_len <= anchors or max_offset == 0:
+    if seq_len > threshold or max_offset == 0:
         return pos
     offset = int(torch.randint(0, max_offset + 1, (1,), generator=generator))
-    pos[:, anchors:] += offset
+    sinks = torch.randint(0, anchors + 1, (batch, 1), generator=generator).to(pos.device)  # (B, 1)
+    pos += torch.where(pos >= sinks, offset, 0)
     return pos
 
 
 def sample_cross_lag(max_lag: int, generator: torch.Generator | None = None) -> int:
-    """j ~ U{1..max_lag} for one step; 0 when max_lag == 0 (noise disabled)."""
+    """j ~ U{1..max_lag} for one forward; 0 when max_lag == 0 (noise disabled)."""
     if max_lag < 0:
         raise ValueError(f"max_lag must be >= 0 (got {max_lag})")
     if max_lag == 0:

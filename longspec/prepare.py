@@ -145,7 +145,6 @@ class Options:
     collator: str
     max_seq_length: int
     on_bad_record: str
-    train_eos: bool
 
 
 def build(train_file: Path, target: str, fields: dict, folder: Path, tokenizer, workers: int = 1,
@@ -270,8 +269,7 @@ def _chunks(records):
 def _encode_chunk(chunk: list, tokenizer, opts: Options) -> list:
     from longspec.data import RecordError, encode_records
 
-    results = encode_records([rec for _, rec in chunk], tokenizer, opts.collator, opts.max_seq_length,
-                             opts.train_eos)
+    results = encode_records([rec for _, rec in chunk], tokenizer, opts.collator, opts.max_seq_length)
     return [(line, str(r) if isinstance(r, RecordError) else r) for (line, _), r in zip(chunk, results)]
 
 

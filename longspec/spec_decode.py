@@ -16,7 +16,7 @@ The GLIDE proposer: the draft block reads the target's last-layer K/V cache (pos
 verified token the target has processed) through its cross-attention -- all of it, no artificial
 lag: the cache simply ends before the bonus token, which the noisy-lag training (lag j in 1..4)
 prepares the draft for. Its self-attention keeps a K/V cache of its own over the last
-`sliding_window` tokens. Because the draft is one block, those self-attention K/V depend only on
+`sliding_window + 1` tokens (the training window: flash-attn's `window_size=(W, -1)`). Because the draft is one block, those self-attention K/V depend only on
 (token, position), so rolling back is a crop and catching up is one batched projection.
 
 The decoding loop takes any `Proposer` (start / propose / rollback), so tests can plug in an
@@ -106,10 +106,32 @@ _CACHE_KW: dict[type, str] = {}
 
 
 @torch.no_grad()
-def target_logits(model: nn.Module, ids: torch.Tensor, cache) -> torch.Tensor:
-    """ids (1, T) appended to ``cache`` -> logits (T, V) in fp32."""
-    out = model(input_ids=ids, use_cache=True, **{_cache_kwarg(model): cache})
-    return out.logits[0].float()
+def target_logits(model: nn.Module, ids: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
+    """ids (1, T) appended to ``cache`` -> logits (T, V) in fp32; ``last_only``: (1, V), and the
+    model computes the last position's logits only (a long prompt's prefill never holds
+    T x V logits: 32k x 152k in fp32 would be 20 GB)."""
+    kw = {_cache_kwarg(model): cache}
+    if last_only:
+        kw.update(_keep_last_kwarg(model))
+    out = model(input_ids=ids, use_cache=True, **kw)
+    logits = out.logits[0]
+    if last_only:
+        logits = logits[-1:]              # a model without the keep argument still gave (T, V)
+    return logits.float()
+
+
+def _keep_last_kwarg(model: nn.Module) -> dict:
+    """transformers >= 4.50 calls it logits_to_keep, 4.45-4.49 num_logits_to_keep."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    for name in ("logits_to_keep", "num_logits_to_keep"):
+        if name in params:
+            return {name: 1}
+    return {}
 
 
 # ----------------------------------------------------------------------------- proposers
@@ -130,10 +152,10 @@ class GlideProposer:
 
     def __init__(self, target: TargetWrapper, draft: GlideDraft):
         self.target, self.draft = target, draft
-        self.window = draft.config.sliding_window
-        self.k: torch.Tensor | None = None      # (1, kvh, W, hd) draft self-attn keys, post-RoPE
-        self.v: torch.Tensor | None = None      # (1, kvh, W, hd)
-        self.end = 0                            # positions [end - W, end) are cached
+        self.window = draft.config.sliding_window + 1   # keys a query sees, its own included
+        self.k: torch.Tensor | None = None      # (1, kvh, W + 1, hd) draft self-attn keys, post-RoPE
+        self.v: torch.Tensor | None = None      # (1, kvh, W + 1, hd)
+        self.end = 0                            # positions [end - W - 1, end) are cached
 
     def start(self, prompt: torch.Tensor, cache) -> None:
         P = prompt.shape[1]
@@ -190,7 +212,7 @@ class GlideProposer:
         """Feed ``ids`` (1, m) at positions end..end+m-1; the draft's output at the last one (1, 1, H)."""
         d = self.draft
         h, x, cos, sin = self._append_kv(ids)                                        # (1, 1, H) x2, (1, 1, hd) x2
-        # self-attention: the query sees keys (pos - window, pos]
+        # self-attention: the query sees keys pos - W .. pos (W + 1 of them)
         sa = d.self_attn
         q = apply_rope(sa.heads(sa.q_proj, x), cos, sin)                             # (1, nh, 1, hd)
         y = kernels.attention(q, self.k[:, :, -self.window:], self.v[:, :, -self.window:], causal=False)
@@ -239,7 +261,7 @@ def greedy_decode(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int,
     dev = prompt.device
     cache = new_cache()
     t0 = time.perf_counter()
-    tok = int(target_logits(model, prompt, cache)[-1].argmax())
+    tok = int(target_logits(model, prompt, cache, last_only=True)[-1].argmax())
     _sync(dev)
     t1 = time.perf_counter()
     tokens, done = _finish([tok], max_new_tokens, eos_token_id)
@@ -264,7 +286,7 @@ def speculative_decode(model: nn.Module, proposer: Proposer, prompt: torch.Tenso
     dev = prompt.device
     cache = new_cache()
     t0 = time.perf_counter()
-    first = int(target_logits(model, prompt, cache)[-1].argmax())
+    first = int(target_logits(model, prompt, cache, last_only=True)[-1].argmax())
     proposer.start(prompt, cache)
     _sync(dev)
     t1 = time.perf_counter()

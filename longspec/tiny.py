@@ -239,8 +239,10 @@ def longcot_records(rng: random.Random, n: int) -> list[dict]:
     return out
 
 
-STAGE_DATA = {"base": (base_records, 2500), "long": (long_records, 40),
-              "longcot": (longcot_records, 40)}
+# Stages 2-3 train 60 steps x 2 records in the demo: 160 records leave 40 never drawn, the
+# held-out prompts their eval decodes.
+STAGE_DATA = {"base": (base_records, 2500), "long": (long_records, 160),
+              "longcot": (longcot_records, 160)}
 
 
 def render_chat(messages: list[dict], generation_prompt: bool = False) -> str:

@@ -188,6 +188,7 @@ def preflight(conf: dict[str, Any]) -> Preflight:
     for name in ("wandb", "tensorboard"):
         if conf["logging"][name]:
             _require_logger(name)
+    _check_kernels(conf)
 
     draft_state, draft_sha = None, None
     if conf["draft_model_name_or_path"] is not None:
@@ -256,6 +257,24 @@ def _load_draft(path: Path, tcfg, conf: dict[str, Any]):
                 file = path / name
                 break
     return state, (sha256_file(file) if file.is_file() else None)
+
+
+def _check_kernels(conf: dict[str, Any]) -> None:
+    """``kernels: fused`` where the fused kernels cannot run is refused before anything loads."""
+    if conf["kernels"] != "fused":
+        return
+    import torch
+
+    from longspec import kernels
+
+    if conf["precision"] == "fp32":
+        raise TrainError("kernels = fused needs precision bf16 or fp16 (flash-attn has no fp32 "
+                         "kernels); set precision=bf16 or kernels=auto")
+    kernels.set_mode("fused")
+    try:
+        kernels.backend("cuda" if torch.cuda.is_available() else "cpu")
+    except kernels.KernelUnavailable as e:
+        raise TrainError(str(e)) from None
 
 
 def _require_logger(name: str) -> None:
@@ -382,19 +401,42 @@ class Session:
             self.out.clear_stage_complete()
             self.out.write_training_config(_training_config_yaml(conf, ds_conf, self.origin))
 
+        self.backends = self._kernels(accel)               # KernelUnavailable before the model loads
         self.engine = self._engine(ds_conf)
         self.trackers = outputs.Trackers(conf, self.out.dir, enabled=self.rank == 0)
         if resume_from is not None:
             self._resume(resume_from)
         else:
             self.out.event("start", 0, total_steps=self.total, world_size=self.world,
-                           config_sha256=self.origin.config_sha256)
+                           config_sha256=self.origin.config_sha256, kernels=self.backends)
         self.max_offset = self._max_offset()
         print0(f"[{conf['stage']}] {self.total} steps, {self.world} rank(s) x "
                f"{conf['per_gpu_train_batch_size']} x {conf['gradient_accumulation_steps']} accumulation, "
                f"ZeRO-{ds_conf['zero_optimization']['stage']}, {conf['precision']}, optimizer "
                f"{type(getattr(self.engine, 'basic_optimizer', None)).__name__}, {self.per_epoch} "
                f"batches/epoch/rank, {len(self.dataset)} records")
+        print0(f"[{conf['stage']}] kernels ({conf['kernels']}): attention {self.backends['attention']}, "
+               f"loss {self.backends['linear_cross_entropy']}, tf32 {self.backends['tf32']}")
+
+    def _kernels(self, accel) -> dict[str, str]:
+        """Choose the attention / loss kernels (``kernels`` key) and turn TF32 on for CUDA's fp32
+        matmuls (the loss runs in fp32); what was chosen goes into the log and the start event."""
+        import torch
+
+        from longspec import kernels
+
+        kernels.set_mode(self.conf["kernels"])
+        device = "cpu" if self.on_cpu else accel.device_name()
+        on_cuda = device.startswith("cuda")
+        try:
+            chosen = kernels.backend(device if on_cuda else "cpu")
+        except kernels.KernelUnavailable as e:
+            raise TrainError(str(e)) from None
+        if on_cuda:
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+            torch.set_float32_matmul_precision("high")
+        return {**chosen, "tf32": "on" if on_cuda else "off"}
 
     def _loader(self, epoch: int, skip: int):
         from longspec import data
@@ -440,7 +482,7 @@ class Session:
         _progress["step"] = self.step
         self.last_loss = ckpt.info.get("loss")
         self.out.event("resume", self.step, total_steps=self.total, path=str(ckpt.path),
-                       config_sha256=self.origin.config_sha256)
+                       config_sha256=self.origin.config_sha256, kernels=self.backends)
         print0(f"[{self.conf['stage']}] resumed from {ckpt.path} at step {self.step}")
 
     def _max_offset(self) -> int:
@@ -484,13 +526,14 @@ class Session:
         t_log, tokens_log = time.time(), 0.0
         engine.train()
         while self.step < self.total:
-            lag = sample_cross_lag(conf["cross_attn_lag"], seeded(conf["seed"], self.step, -1))
             sums = torch.zeros(4, dtype=torch.float64)       # loss, llm_loss, tokens, stop request
             for micro in range(ga):
                 batch = next(stream)
                 ids = batch["input_ids"]                       # (B, T)
                 mask = batch.get("attention_mask")
                 pos = self.positions(ids.shape[0], ids.shape[1], micro)
+                # one lag per forward (and per rank), as the reference draws it inside the model
+                lag = sample_cross_lag(conf["cross_attn_lag"], seeded(conf["seed"], self.step, micro, self.rank, -1))
                 result = engine(input_ids=ids.to(device), labels=batch["labels"].to(device),
                                 position_ids=pos.to(device), cross_lag=lag,
                                 attention_mask=None if mask is None else mask.to(device))

@@ -30,7 +30,7 @@ Nothing is overwritten without --force. With no flags on a terminal, a full-scre
 def init(
     project_dir: Optional[Path] = typer.Argument(None, help="Folder to create the project in."),
     preset: Optional[str] = typer.Option(None, "--preset", "-p", help="Target preset: qwq-32b-preview, qwen3-8b, qwen3-32b, llama3.1-8b-instruct, llama3-8b-262k, vicuna-7b-16k, longchat-7b-32k, tiny."),
-    variant: str = typer.Option("sinkpi", "--variant", help="standard (plain positions) or sinkpi (anchor-offset positions + noisy cross-attention lag)."),
+    variant: str = typer.Option("sinkpi-slicing", "--variant", help="LongSpec's training family: sinkpi-slicing or standard (trained alike: anchor-offset positions + noisy cross-attention lag; the stage files name the reference config each mirrors)."),
     target: Optional[str] = typer.Option(None, "--target", help="Path of the target model (overrides the preset's); a local folder's config.json sets family, stage lengths and precision."),
     data: List[str] = typer.Option([], "--data", help="STAGE=PATH training data for a stage (repeatable)."),
     stages: str = typer.Option("base,long,longcot", "--stages", help="Comma-separated stages, in order."),

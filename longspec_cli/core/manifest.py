@@ -2,7 +2,7 @@
 
     name: demo
     preset: tiny            # or null
-    variant: sinkpi         # standard | sinkpi
+    variant: sinkpi-slicing # standard | sinkpi-slicing (LongSpec's two families)
     target: /abs/path/to/target
     launch: {gpus: 8, nodes: 1, hostfile: null}
     stages:
@@ -26,7 +26,8 @@ from longspec_cli.core.yamlio import item_line, key_line
 from longspec_cli.errors import UsageError
 
 MANIFEST_NAME = "longspec.yaml"
-VARIANTS = ("standard", "sinkpi")
+VARIANTS = ("standard", "sinkpi-slicing")
+LEGACY_VARIANTS = {"sinkpi": "sinkpi-slicing"}   # the name older manifests used
 TOP_KEYS = ("name", "preset", "variant", "target", "launch", "stages")
 STAGE_KEYS = ("name", "config", "output_dir", "draft_from")
 LAUNCH_KEYS = ("gpus", "nodes", "hostfile")
@@ -116,7 +117,8 @@ def _build(doc: yamlio.YamlDoc, path: Path) -> Manifest:
     preset = data.get("preset")
     if preset is not None and not isinstance(preset, str):
         err("`preset` must be a string or null", "preset")
-    variant = data.get("variant", "standard")
+    variant = data.get("variant", "sinkpi-slicing")
+    variant = LEGACY_VARIANTS.get(variant, variant) if isinstance(variant, str) else variant
     if variant not in VARIANTS:
         err(f"`variant` must be one of {', '.join(VARIANTS)}; got {variant!r}", "variant",
             hint=_did_you_mean(str(variant), VARIANTS))

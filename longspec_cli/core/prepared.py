@@ -4,7 +4,7 @@ Pure: no torch, numpy or transformers (status composes the stage with Hydra, as 
 cache; the trainer memory-maps it; `status`, `validate` and the monitor read its small manifest.
 
 A cache is a folder $LONGSPEC_CACHE_DIR/prepared/<stem>-<key>/ named by the source path, the
-tokenizer's files and the data options (collator, max_seq_length, on_bad_record, train_eos):
+tokenizer's files and the data options (collator, max_seq_length, on_bad_record):
 
   manifest.json          written last (atomic): key, source fingerprint, counts, files, histogram
   <build>.tokens.bin     flat token ids (uint16 when the vocabulary fits, else uint32)
@@ -27,9 +27,8 @@ from typing import Any
 
 FORMAT = 1
 MANIFEST = "manifest.json"
-DATA_OPTIONS = ("collator", "max_seq_length", "on_bad_record", "train_eos")
-DATA_DEFAULTS = {"collator": "short_text", "max_seq_length": 1024, "on_bad_record": "error",
-                 "train_eos": False}
+DATA_OPTIONS = ("collator", "max_seq_length", "on_bad_record")
+DATA_DEFAULTS = {"collator": "short_text", "max_seq_length": 1024, "on_bad_record": "error"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model",
                    "spiece.model", "chat_template.jinja", "chat_template.json")

@@ -10,7 +10,8 @@ from typing import Any
 from longspec_cli.errors import UsageError
 
 STAGE_ORDER = ("base", "long", "longcot")
-VARIANTS = ("standard", "sinkpi")
+VARIANTS = ("standard", "sinkpi-slicing")
+LEGACY_VARIANTS = {"sinkpi": "sinkpi-slicing"}   # older manifests
 PRECISIONS = ("bf16", "fp16", "fp32")
 
 
@@ -76,11 +77,17 @@ def stage_defaults(stage: str, preset: Preset | None = None) -> dict[str, Any]:
     return values
 
 
-def variant_values(variant: str) -> dict[str, Any]:
+def variant_values(variant: str, stage: str | None = None) -> dict[str, Any]:
+    """The training keys of a variant; with ``stage``, also ``reference``: the reference
+    experiment file that stage mirrors."""
     table = _read("variants.yaml")
     if variant not in table:
         raise UsageError(f"unknown variant {variant!r}", hint="variants: " + ", ".join(table))
-    return dict(table[variant])
+    values = dict(table[variant])
+    refs = values.pop("reference", {}) or {}
+    if stage is not None:
+        values["reference"] = refs.get(stage, "(none)")
+    return values
 
 
 def default_max_offset(context: int) -> int:

@@ -29,7 +29,7 @@ class InitAnswers:
     project_dir: Path
     preset: str | None = None
     target: str | None = None
-    variant: str = "sinkpi"
+    variant: str = "sinkpi-slicing"
     data: dict[str, str] = field(default_factory=dict)
     stages: tuple[str, ...] = P.STAGE_ORDER
     output_root: str | None = None
@@ -99,7 +99,7 @@ class _Raw(str):
 
 # Placeholders inside comments: inserted as plain text, never quoted.
 _TEXT_KEYS = {"title", "data_hint", "run_command", "run_command_cli", "project_dir", "world_size",
-              "notes", "msl_note", "target_note"}
+              "notes", "msl_note", "target_note", "reference", "variant"}
 # positions.threshold in templates/exp/stage.yaml: only sequences up to this long get an offset.
 OFFSET_THRESHOLD = 1200
 # Collators whose records include chats (rendered with the target's chat template).
@@ -199,7 +199,8 @@ def _plan(a: InitAnswers) -> tuple[dict[Path, str], list[str]]:
             data = str(local_data_file(root, stage))
         values = {
             **sd,
-            **P.variant_values(a.variant),
+            **P.variant_values(a.variant, stage),
+            "variant": a.variant,
             "stage": stage,
             "gpus": gpus,
             "world_size": str(world),

@@ -147,7 +147,6 @@ LONGSPEC_SPEC: dict[str, Spec] = {
         "collator": _enum(*COLLATORS),
         "max_seq_length": _pos_int(),
         "on_bad_record": _enum("error", "skip"),
-        "train_eos": BOOL,
     }),
     "positions": Spec("map", children={
         "mode": _enum("anchor_offset", "plain"),
@@ -174,6 +173,7 @@ LONGSPEC_SPEC: dict[str, Spec] = {
     "logging_steps": _pos_int(),
     "seed": _int(0),
     "loss_chunk_size": _pos_int(),
+    "kernels": _enum("auto", "fused", "reference"),
     "logging": Spec("map", children={"wandb": BOOL, "tensorboard": BOOL}),
     "ds_cfg": DS_SPEC,
 }

@@ -102,7 +102,7 @@ MANIFEST = """\
 # longspec project manifest
 name: demo
 preset: null
-variant: sinkpi
+variant: sinkpi-slicing
 target: assets/target
 launch: {gpus: 1, nodes: 1, hostfile: null}
 stages:

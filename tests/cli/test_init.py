@@ -65,12 +65,20 @@ def test_every_stage_file_opens_with_its_run_command_and_sets_precision_once(tmp
 
 
 def test_variants_and_presets_differ_where_they_should(tmp_path):
+    """LongSpec's two families train alike (anchor offsets + noisy lag); each stage file names the
+    reference config it mirrors. Presets set the offset range and the context."""
+    root = (tmp_path / "a").resolve()
     std = plan_project(InitAnswers(tmp_path / "a", preset="vicuna-7b-16k", variant="standard"))
-    base = to_plain(parse(std[(tmp_path / "a").resolve() / "conf/exp/base.yaml"]))
-    assert base["positions"]["mode"] == "plain" and base["cross_attn_lag"] == 0
-    assert base["positions"]["max_offset"] == 15000  # a 16k-context target
-    long = to_plain(parse(std[(tmp_path / "a").resolve() / "conf/exp/long.yaml"]))
+    sink = plan_project(InitAnswers(tmp_path / "a", preset="vicuna-7b-16k", variant="sinkpi-slicing"))
+    for files in (std, sink):
+        base = to_plain(parse(files[root / "conf/exp/base.yaml"]))
+        assert base["positions"]["mode"] == "anchor_offset" and base["cross_attn_lag"] == 4
+        assert base["positions"]["max_offset"] == 15000  # a 16k-context target
+    long = to_plain(parse(std[root / "conf/exp/long.yaml"]))
     assert long["data"]["max_seq_length"] == 16384
+    assert "mirrors LongSpec's conf/exp/qwq_glide_8gpu_slim6b.yaml" in std[root / "conf/exp/base.yaml"]
+    assert "conf/exp/qwq_glide_8gpu_slim6b_sinkpi-slicing.yaml" in sink[root / "conf/exp/base.yaml"]
+    assert "variant: standard" in std[root / "longspec.yaml"]
 
 
 def test_init_never_overwrites_without_force(tmp_path):

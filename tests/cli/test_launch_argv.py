@@ -234,7 +234,7 @@ def test_sbatch_script(tmp_path):
 # ------------------------------------------------------------------------------ overrides
 
 @pytest.mark.parametrize("good", [
-    "max_steps=5", "data.max_seq_length=2048", "+new_key=1", "++seed=3", "~data.train_eos",
+    "max_steps=5", "data.max_seq_length=2048", "+new_key=1", "++seed=3", "~data.on_bad_record",
     "hydra.run.dir=.", "learning_rate=1e-4", "ds_cfg.optimizer.params.betas=[0.9,0.95]", "seed=''",
 ])
 def test_overrides_hydra_accepts_pass(good):

@@ -13,7 +13,7 @@ from longspec_cli.errors import UsageError
 
 def test_loads_the_design_example_and_resolves_paths_against_the_project(project):
     m = load_manifest(project.root)
-    assert m.name == "demo" and m.variant == "sinkpi" and m.preset is None
+    assert m.name == "demo" and m.variant == "sinkpi-slicing" and m.preset is None
     assert m.stage_names == ["base", "long", "longcot"]
     assert m.target == project.root / "assets" / "target"
     assert m.launch.gpus == 1 and m.launch.nodes == 1 and m.launch.hostfile is None
@@ -23,6 +23,12 @@ def test_loads_the_design_example_and_resolves_paths_against_the_project(project
     assert m.previous("base") is None
     assert m.index("longcot") == 2
     assert long.line == 9
+
+
+def test_older_variant_name_still_loads(project):
+    path = project.root / "longspec.yaml"
+    path.write_text(path.read_text().replace("variant: sinkpi-slicing", "variant: sinkpi"))
+    assert load_manifest(project.root).variant == "sinkpi-slicing"
 
 
 def test_find_manifest_accepts_the_folder_or_the_file(project, tmp_path):

@@ -40,7 +40,6 @@ data:
   collator: {collator}
   max_seq_length: {msl}
   on_bad_record: error
-  train_eos: false
 
 positions:
   mode: anchor_offset
@@ -98,7 +97,7 @@ zero_optimization:
 MANIFEST = """\
 name: demo
 preset: null
-variant: sinkpi
+variant: sinkpi-slicing
 target: target
 launch: {{gpus: 8, nodes: {nodes}, hostfile: {hostfile}}}
 stages:
@@ -296,7 +295,7 @@ def test_placeholders(proj, value):
     ("mode: anchor_offset", "mode: sink", "positions.mode", "anchor_offset"),
     ("cross_attn_lag: 4", "cross_attn_lag: 9", "cross_attn_lag", "[0, 8]"),
     ("per_gpu_train_batch_size: 1", "per_gpu_train_batch_size: 1.5", "per_gpu_train_batch_size", "whole"),
-    ("train_eos: false", "train_eos: maybe", "data.train_eos", "true or false"),
+    ("seed: 42", "seed: 42\nkernels: fast", "kernels", "auto, fused, reference"),
     ("seed: 42", "seed: -1", "seed", ">= 0"),
 ])
 def test_types_and_ranges(proj, old, new, key, needle):

@@ -29,9 +29,8 @@ def write_jsonl(path, records):
     return path
 
 
-def one(tmp_path, tok, rec, collator, max_len=4096, train_eos=False):
-    ds = build_dataset(write_jsonl(tmp_path / "d.jsonl", [rec]), tok, collator, max_len,
-                       train_eos=train_eos)
+def one(tmp_path, tok, rec, collator, max_len=4096):
+    ds = build_dataset(write_jsonl(tmp_path / "d.jsonl", [rec]), tok, collator, max_len)
     s = ds[0]
     return s["input_ids"].tolist(), s["labels"].tolist()
 
@@ -46,16 +45,12 @@ def chat(tok, msgs, gen=False):
 
 # ---------------------------------------------------------------- short_text
 
-def test_short_text_labels_every_token_and_masks_eos(tmp_path, tok):
+def test_short_text_labels_every_token_and_masks_the_pad(tmp_path, tok):
     text = "the red cat sees the dog . count from 3 : 3 4 5 ."
     ids, labels = one(tmp_path, tok, {"text": text}, "short_text")
+    assert tok.pad_token_id == tok.eos_token_id            # Qwen-style: <|endoftext|> is both
     assert ids == ids_of(tok, text) + [tok.eos_token_id]
-    assert labels == ids[:-1] + [IGNORE]
-
-
-def test_short_text_train_eos_labels_the_eos(tmp_path, tok):
-    ids, labels = one(tmp_path, tok, {"text": "the dog ."}, "short_text", train_eos=True)
-    assert ids[-1] == tok.eos_token_id and labels == ids
+    assert labels == ids[:-1] + [IGNORE]                    # the document end is the pad: untrained
 
 
 def test_short_text_reads_upstream_target_field(tmp_path, tok):
@@ -85,8 +80,8 @@ def test_long_data_arxiv_renders_summary_chat_all_labelled(tmp_path, tok):
     ids, labels = one(tmp_path, tok, rec, "long_data")
     msgs = [{"role": "user", "content": "Summarize this article.\n\nfact : the age of ada is 10 ."},
             {"role": "assistant", "content": "ada is 10 ."}]
-    assert ids == chat(tok, msgs) + [tok.eos_token_id]
-    assert labels == ids[:-1] + [IGNORE]  # no-mask: the user turn is trained too
+    assert ids == chat(tok, msgs)                            # the template's turn ends, no EOS added
+    assert labels == ids  # no-mask: the user turn is trained too, its <|im_end|> as well
     assert tok.decode(ids).startswith("<|im_start|>user\n")
 
 
@@ -101,13 +96,13 @@ def test_long_data_arxiv_lists_become_turn_pairs(tmp_path, tok):
 def test_long_data_tulu_and_messages_chats(tmp_path, tok):
     conv = [{"role": "user", "content": "count from 3 to 5 ."},
             {"role": "assistant", "content": "3 4 5 ."}]
-    expect = chat(tok, conv) + [tok.eos_token_id]
+    expect = chat(tok, conv)
     for rec in ({"source": "tulu-v2", "conversation": conv}, {"messages": conv},
                 {"messages": [{"from": "human", "value": conv[0]["content"]},
                               {"from": "gpt", "value": conv[1]["content"]}]}):
         ids, labels = one(tmp_path, tok, rec, "long_data")
         assert ids == expect
-        assert labels == ids[:-1] + [IGNORE]
+        assert labels == ids
 
 
 def test_long_data_unknown_source_is_named(tmp_path, tok):
@@ -133,13 +128,39 @@ def test_long_cot_trains_only_the_answer(tmp_path, tok, fields):
     assert labels[: len(head)] == [IGNORE] * len(head)
     trained = [t for t in labels if t != IGNORE]
     assert tok.decode(trained) == a + "<|im_end|>\n"  # the turn end is part of the answer
-    assert ids[-1] == tok.eos_token_id and labels[-1] == IGNORE
-    assert len(trained) == len(ids) - len(head) - 1
+    assert len(trained) == len(ids) - len(head)
 
 
-def test_long_cot_train_eos(tmp_path, tok):
-    ids, labels = one(tmp_path, tok, {"problem": "q .", "qwq": "a ."}, "long_cot", train_eos=True)
-    assert labels[-1] == ids[-1] == tok.eos_token_id
+@pytest.fixture(scope="module")
+def qwq_tok(tiny):
+    """QwQ's arrangement: EOS is the end of turn <|im_end|>, the pad is <|endoftext|>."""
+    from transformers import AutoTokenizer
+    t = AutoTokenizer.from_pretrained(tiny["target"])
+    t.eos_token, t.pad_token = "<|im_end|>", "<|endoftext|>"
+    assert t.eos_token_id != t.pad_token_id
+    return t
+
+
+def test_qwq_chat_template_trains_the_end_of_turn_and_not_the_padding(tmp_path, qwq_tok):
+    tok, im_end, pad = qwq_tok, qwq_tok.convert_tokens_to_ids("<|im_end|>"), qwq_tok.pad_token_id
+    recs = [{"problem": "add 2 , 3 .", "qwq": "2 plus 3 is 5 ."},
+            {"problem": "q .", "qwq": "a ."}]
+    ds = build_dataset(write_jsonl(tmp_path / "d.jsonl", recs), tok, "long_cot", 4096)
+    first = ds[0]
+    ids, labels = first["input_ids"].tolist(), first["labels"].tolist()
+    ends = [i for i, t in enumerate(ids) if t == im_end]
+    assert len(ends) == 2                                    # the user turn's and the answer's
+    assert labels[ends[0]] == IGNORE                         # inside the prompt: not trained
+    assert labels[ends[1]] == im_end                         # the answer's end of turn: trained
+    b = collate([ds[0], ds[1]], pad)
+    n1 = len(ds[1]["input_ids"])
+    assert b["input_ids"][1, n1:].eq(pad).all() and b["labels"][1, n1:].eq(IGNORE).all()
+    assert (b["labels"] == pad).sum() == 0                   # no pad is ever a label
+    row1 = b["labels"][1, :n1].tolist()
+    assert im_end in row1                                    # the shorter row's turn end too
+    # a plain document ends with this tokenizer's EOS (<|im_end|>), which is not its pad
+    ids, labels = one(tmp_path, tok, {"text": "the dog ."}, "short_text")
+    assert ids[-1] == im_end and labels[-1] == im_end
 
 
 def test_long_cot_long_prompt_keeps_room_for_the_answer(tmp_path, tok):
@@ -192,7 +213,6 @@ def test_record_with_nothing_to_train_is_bad(tmp_path, tok):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": ""}, {"text": "a ."}])
     with pytest.raises(DataError, match=r"d\.jsonl:1: no trained tokens"):
         build_dataset(path, tok, "short_text", 64)
-    assert len(build_dataset(path, tok, "short_text", 64, train_eos=True)) == 2
 
 
 def test_missing_and_unreadable_files_are_named(tmp_path, tok):
@@ -237,7 +257,7 @@ def test_broken_json_array_is_an_error_even_in_skip_mode(tmp_path):
 def test_collate_pads_right_and_masks_padding(tmp_path, tok):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "the big red dog sees the cat ."},
                                               {"text": "a ."}])
-    ds = build_dataset(path, tok, "short_text", 64, train_eos=True)
+    ds = build_dataset(path, tok, "short_text", 64)
     pad = tok.pad_token_id
     assert pad == tok.eos_token_id  # the tiny target pads with EOS, like upstream's configs
     b = collate([ds[0], ds[1]], pad)
@@ -245,7 +265,8 @@ def test_collate_pads_right_and_masks_padding(tmp_path, tok):
     assert b["input_ids"].shape == b["labels"].shape == b["attention_mask"].shape == (2, n0)
     assert b["input_ids"][1, n1:].eq(pad).all()
     assert b["labels"][1, n1:].eq(IGNORE).all()
-    assert b["labels"][1, n1 - 1] == tok.eos_token_id  # the real EOS is still a label
+    assert b["labels"][1, n1 - 1] == IGNORE  # the real EOS is the pad token here: not a label
+    assert b["labels"][1, : n1 - 1].ne(IGNORE).all()
     assert b["attention_mask"].sum(1).tolist() == [n0, n1]
 
 

@@ -3,7 +3,8 @@
 Round trips go through longspec.checkpoint.load_draft_state and must give identical tensors.
 The HF folder is also loaded the way the reference inference code loads a released draft: a
 PreTrainedModel whose config class is the target family's and whose state dict is the bare
-decoder block (built here from our own GlideDraft modules), through from_pretrained.
+decoder block (built here from transformers' modules in the reference layout, not from
+longspec's), through from_pretrained.
 """
 from __future__ import annotations
 
@@ -56,8 +57,34 @@ def assert_same(a: dict, b: dict) -> None:
 
 
 def reference_style_loader(family: str):
-    """A decoder-block PreTrainedModel like the reference's <Family>GlideDecoderLayer."""
+    """A decoder-block PreTrainedModel laid out like the reference's <Family>GlideDecoderLayer
+    (LongSpec train/models/qwen2_glide.py:392-411, GlideAttention at :53-56), built from
+    transformers' own MLP and RMSNorm classes of the family and plain nn.Linear projections:
+    nothing of longspec.model, so a layout drift on our side shows up as missing/unexpected keys.
+    Qwen2/Llama: the reference layout (q/k/v bias in both families). Qwen3/Mistral (no reference
+    draft): their own layer's layout, no bias, Qwen3 with per-head q/k norms."""
+    import importlib
+
+    import torch.nn as nn
     from transformers import AutoConfig, PreTrainedModel
+
+    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    prefix = {"qwen2": "Qwen2", "llama": "Llama", "qwen3": "Qwen3", "mistral": "Mistral"}[family]
+    mlp_cls, norm_cls = getattr(mod, f"{prefix}MLP"), getattr(mod, f"{prefix}RMSNorm")
+    bias, qk_norm = family in ("qwen2", "llama"), family == "qwen3"
+
+    class ReferenceAttention(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            hd = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            kv = config.num_key_value_heads * hd
+            self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * hd, bias=bias)
+            self.k_proj = nn.Linear(config.hidden_size, kv, bias=bias)
+            self.v_proj = nn.Linear(config.hidden_size, kv, bias=bias)
+            self.o_proj = nn.Linear(config.num_attention_heads * hd, config.hidden_size, bias=False)
+            if qk_norm:
+                self.q_norm = norm_cls(hd, eps=config.rms_norm_eps)
+                self.k_norm = norm_cls(hd, eps=config.rms_norm_eps)
 
     class GlideBlockModel(PreTrainedModel):
         config_class = type(AutoConfig.for_model(family))
@@ -65,9 +92,12 @@ def reference_style_loader(family: str):
 
         def __init__(self, config):
             super().__init__(config)
-            block = GlideDraft(DraftConfig.from_target_config(config, sliding_window=WINDOW))
-            for name, module in block.named_children():
-                self.add_module(name, module)
+            self.self_attn = ReferenceAttention(config)
+            self.cross_attn = ReferenceAttention(config)
+            self.mlp = mlp_cls(config)
+            self.input_layernorm = norm_cls(config.hidden_size, eps=config.rms_norm_eps)
+            self.post_self_attention_layernorm = norm_cls(config.hidden_size, eps=config.rms_norm_eps)
+            self.post_cross_attention_layernorm = norm_cls(config.hidden_size, eps=config.rms_norm_eps)
             self.post_init()
 
         def _init_weights(self, module):

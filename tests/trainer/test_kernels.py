@@ -12,9 +12,10 @@ from longspec import kernels
 # ----------------------------------------------------------------------------- naive references
 
 def rule_sees(t: int, s: int, window, lag: int) -> bool:
-    """The documented semantics, spelled out: window W -> keys t-W+1..t; lag j -> keys 0..t-j."""
+    """The documented semantics, spelled out: window W -> keys t-W..t (flash-attn's
+    window_size=(W, -1): W + 1 keys); lag j -> keys 0..t-j."""
     last = t - lag
-    first = 0 if window is None else last - window + 1
+    first = 0 if window is None else last - window
     return first <= s <= last
 
 
@@ -59,7 +60,9 @@ def test_visible_mask_matches_rule(window, lag):
 
 def test_window_and_lag_examples():
     m = kernels.visible_mask(torch.arange(10), torch.arange(10), 3, 0)
-    assert m[9].nonzero().flatten().tolist() == [7, 8, 9]        # window 3: t-2..t
+    assert m[9].nonzero().flatten().tolist() == [6, 7, 8, 9]     # window 3: t-3..t, 4 keys
+    m = kernels.visible_mask(torch.arange(10), torch.arange(10), 0, 0)
+    assert m[9].nonzero().flatten().tolist() == [9]              # window 0: itself only
     m = kernels.visible_mask(torch.arange(10), torch.arange(10), None, 2)
     assert m[5].nonzero().flatten().tolist() == [0, 1, 2, 3]      # lag 2: 0..t-2
     assert not m[1].any()                                         # t < lag sees nothing
@@ -127,6 +130,30 @@ def test_attention_rejects_bad_shapes():
 
 def test_backend_on_cpu_is_reference():
     assert kernels.backend("cpu") == {"attention": "sdpa", "linear_cross_entropy": "chunked"}
+
+
+@pytest.fixture
+def kernel_mode():
+    yield kernels.set_mode
+    kernels.set_mode("auto")
+
+
+def test_fused_mode_refuses_to_fall_back(kernel_mode):
+    kernel_mode("fused")
+    with pytest.raises(kernels.KernelUnavailable, match="kernels = fused but no CUDA device"):
+        kernels.backend("cpu")
+    kernel_mode("reference")
+    assert kernels.backend("cpu") == {"attention": "sdpa", "linear_cross_entropy": "chunked"}
+    with pytest.raises(ValueError, match="auto, fused, reference"):
+        kernels.set_mode("fast")
+
+
+def test_flash_blockers_name_the_reason():
+    q, k, _ = rand_qkv(T=6, dtype=torch.float32)
+    why = kernels._flash_blocker(q, k, True, None)
+    assert why and ("not installed" in why or "CUDA" in why)
+    assert kernels._right_padded(torch.tensor([[1, 1, 0], [1, 1, 1]]).bool())
+    assert not kernels._right_padded(torch.tensor([[0, 1, 1]]).bool())
 
 
 # ----------------------------------------------------------------------------- linear cross entropy

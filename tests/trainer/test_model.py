@@ -171,7 +171,7 @@ def test_draft_attention_mirrors_the_target_layer(family, tiny_target):
 def test_target_llm_loss_equals_the_models_own_loss(family, tiny_target):
     ids, labels, pos = batch()
     with torch.no_grad():
-        want = tiny_target(input_ids=ids, position_ids=pos, labels=labels).loss
+        want = tiny_target(input_ids=ids, position_ids=pos, labels=labels, attention_mask=torch.ones_like(ids)).loss
     got = TargetWrapper(tiny_target)(ids, pos, labels=labels).llm_loss
     torch.testing.assert_close(got, want.float())
 
@@ -185,7 +185,9 @@ def test_draft_loss_matches_hand_computed_reference(family, tiny_target):
     logits = h.float() @ tiny_target.lm_head.weight.float().T     # (B, T, V), fine at this size
     want = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
     torch.testing.assert_close(out["loss"], want)
-    torch.testing.assert_close(out["llm_loss"], model.target(ids, pos, labels=labels).llm_loss)
+    with torch.no_grad():   # the target's loss as transformers computes it, not through longspec
+        own = tiny_target(input_ids=ids, position_ids=pos, labels=labels, attention_mask=torch.ones_like(ids)).loss
+    torch.testing.assert_close(out["llm_loss"], own.float())
 
 
 def test_draft_rope_equals_target_rope(family, tiny_target):
@@ -217,7 +219,8 @@ def test_cross_attention_respects_the_lag(family, tiny_target):
 
 
 def test_self_attention_window(family, tiny_target):
-    """With a window of 4, the draft's output at t ignores inputs at t-4 and earlier (cross-attn fixed)."""
+    """Window 4 = flash-attn's window_size=(4, -1): the draft's output at t sees t-4..t (5 keys)
+    and ignores t-5 and earlier (cross-attn fixed)."""
     model = glide(tiny_target, window=4)
     ids, _, pos = batch(T=16)
     tgt = model.target(ids, pos)
@@ -225,10 +228,10 @@ def test_self_attention_window(family, tiny_target):
     t = 12
     base = model.draft(emb, pos, tgt.k, tgt.v)
     emb2 = emb.clone()
-    emb2[:, : t - 3] += 3.0                                   # positions <= t-4
+    emb2[:, : t - 4] += 3.0                                   # positions <= t-5
     torch.testing.assert_close(model.draft(emb2, pos, tgt.k, tgt.v)[:, t], base[:, t])
     emb3 = emb.clone()
-    emb3[:, t - 3] += 3.0                                     # t-3 is inside the window
+    emb3[:, t - 4] += 3.0                                     # t-4 is inside the window
     assert not torch.allclose(model.draft(emb3, pos, tgt.k, tgt.v)[:, t], base[:, t])
 
 

@@ -22,16 +22,32 @@ def test_plain_position_ids():
     assert pos.tolist() == [[0, 1, 2, 3, 4]] * 3
 
 
-def test_anchor_offset_keeps_anchors_and_shifts_the_rest_by_one_offset():
+def test_anchor_offset_draws_sinks_per_sequence_and_one_offset_per_batch():
     g = gen(1)
-    for _ in range(50):
+    sinks_seen = set()
+    for _ in range(60):
         pos = anchor_offset_position_ids(100, 3, anchors=4, max_offset=5000, generator=g)
         assert pos.shape == (3, 100) and pos.dtype == torch.long
-        assert pos[:, :4].tolist() == [[0, 1, 2, 3]] * 3
-        offset = pos[0, 4] - 4
+        offset = int(pos[0, -1]) - 99
         assert 0 <= offset <= 5000
-        # one offset, the same on every row, positions still consecutive after the anchors
-        assert torch.equal(pos[:, 4:], torch.arange(4, 100).expand(3, 96) + offset)
+        row_sinks = []
+        for row in pos:
+            # sinks keep 0..a-1, then consecutive positions shifted by the one batch offset
+            a = int((row == torch.arange(100)).sum()) if offset else None
+            if a is None:
+                assert torch.equal(row, torch.arange(100))
+                continue
+            assert 0 <= a <= 4
+            assert torch.equal(row[:a], torch.arange(a))
+            assert torch.equal(row[a:], torch.arange(a, 100) + offset)
+            row_sinks.append(a)
+        sinks_seen.update(row_sinks)
+    assert sinks_seen == {0, 1, 2, 3, 4}               # every count 0..anchors occurs
+    # rows of one batch do not all share their sink count
+    g = gen(9)
+    differ = [len({int((r == torch.arange(20)).sum()) for r in anchor_offset_position_ids(
+        20, 8, anchors=4, max_offset=1000, generator=g)}) > 1 for _ in range(10)]
+    assert any(differ)
 
 
 def test_offsets_cover_the_whole_range():

@@ -39,7 +39,7 @@ def _cache(tmp_path, monkeypatch):
 
 
 def opts(collator: str, seq: int, **kw) -> dict:
-    return {"collator": collator, "max_seq_length": seq, "on_bad_record": "error", "train_eos": False, **kw}
+    return {"collator": collator, "max_seq_length": seq, "on_bad_record": "error", **kw}
 
 
 def batches(ds, rank: int, world: int, skip: int, epoch: int):

@@ -271,3 +271,16 @@ def test_default_prompt_count_follows_a_token_budget():
     assert default_num_prompts(64) == MAX_PROMPTS      # short prompts: many, tau varies per prompt
     assert default_num_prompts(448) == 9
     assert default_num_prompts(32_000) == MIN_PROMPTS  # 32k prompts: a few
+
+
+def test_prefill_keeps_only_the_last_positions_logits(tiny_target):
+    """A long prompt's prefill must not hold (T, V) logits: the model is asked for the last one."""
+    from longspec.spec_decode import _keep_last_kwarg
+
+    assert _keep_last_kwarg(tiny_target) in ({"logits_to_keep": 1}, {"num_logits_to_keep": 1})
+    ids = prompt(12)
+    full = target_logits(tiny_target, ids, new_cache())
+    last = target_logits(tiny_target, ids, new_cache(), last_only=True)
+    assert full.shape == (12, TINY_DIMS["vocab_size"]) and last.shape == (1, TINY_DIMS["vocab_size"])
+    assert last.dtype == torch.float32
+    torch.testing.assert_close(last[0], full[-1])

@@ -195,7 +195,7 @@ def test_stage_data_shapes(tiny, loaded):
 
     kinds = {r.get("source", "messages") for r in long}
     assert kinds == {"code", "book", "arxiv", "tulu-v2", "messages"}
-    assert 20 <= len(long) <= 60
+    assert 120 <= len(long) <= 200 and 120 <= len(cot) <= 200   # 60 demo steps x 2 leave prompts held out
     long_ds = build_dataset(tiny["data"]["long"], tok, "long_data", 32768)
     sizes = [len(long_ds[i]["input_ids"]) for i in range(len(long_ds))]
     assert 1000 <= sum(sizes) / len(sizes) <= 2500 and min(sizes) >= 600

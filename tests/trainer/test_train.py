@@ -49,7 +49,6 @@ data:
   collator: {collator}
   max_seq_length: {seq}
   on_bad_record: error
-  train_eos: false
 
 positions:
   mode: anchor_offset
@@ -113,6 +112,12 @@ def write_project(root: Path, tiny: dict, draft: str | None = None) -> Path:
                                  **values)
         (conf / "exp" / f"{stage}.yaml").write_text(text)
     return conf
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def free_port() -> int:
@@ -279,6 +284,16 @@ def test_unknown_key_in_the_stage_file_gets_a_suggestion(tiny, tmp_path):
     assert_refused(proc, "learning_rat: unknown key (did you mean learning_rate?)")
 
 
+@pytest.mark.skipif(torch_cuda(), reason="checks the refusal on a machine without CUDA")
+def test_fused_kernels_without_a_gpu_fail_loudly(tiny, tmp_path):
+    conf = write_project(tmp_path, tiny)
+    proc = direct(tmp_path, "--config-dir", str(conf), "+exp=base", "kernels=fused", "precision=bf16")
+    assert_refused(proc, "kernels = fused but no CUDA device", "kernels=auto")
+    no_outputs(tmp_path / "runs" / "base")
+    proc = direct(tmp_path, "--config-dir", str(conf), "+exp=base", "kernels=fused", "precision=fp32")
+    assert_refused(proc, "kernels = fused needs precision bf16 or fp16")
+
+
 def test_missing_data_file_is_refused(tiny, tmp_path):
     conf = write_project(tmp_path, tiny)
     proc = direct(tmp_path, "--config-dir", str(conf), "+exp=base", f"train_file={tmp_path}/nope.jsonl")
@@ -391,6 +406,10 @@ def test_stage1_one_rank_zero1_trains_and_fills_the_run_folder(base_run):
 
     kinds = [e["event"] for e in events_of(run)]
     assert kinds[0] == "start" and kinds[-1] == "end"
+    # the kernels actually used are on record (and in the rank-0 log): the reference path on CPU
+    assert events_of(run)[0]["kernels"] == {"attention": "sdpa", "linear_cross_entropy": "chunked",
+                                            "tf32": "off"}
+    assert "[base] kernels (auto): attention sdpa, loss chunked, tf32 off" in proc.stdout
     ckpt_events = [e["step"] for e in events_of(run) if e["event"] == "checkpoint"]
     assert ckpt_events == list(range(BASE_SAVE, BASE_STEPS + 1, BASE_SAVE))
     # save_total_limit 2: the two newest complete checkpoints stay

@@ -41,9 +41,9 @@ class InitForm(VerticalScroll):
                                            allow_blank=False, id="preset"))
         yield from _field("Target model folder (overrides the preset's)",
                           Input((d.target or "") if d else "", placeholder="/models/QwQ-32B-Preview", id="target"), "")
-        yield from _field("Variant", Select([("sinkpi: anchor-offset positions + noisy lag", "sinkpi"),
-                                             ("standard: plain positions", "standard")],
-                                            value=d.variant if d else "sinkpi", allow_blank=False, id="variant"))
+        yield from _field("Variant", Select([("sinkpi-slicing: LongSpec's three-stage family", "sinkpi-slicing"),
+                                             ("standard: LongSpec's standard family", "standard")],
+                                            value=d.variant if d else "sinkpi-slicing", allow_blank=False, id="variant"))
         yield Label("Stages", classes="field-label")
         chosen = set(d.stages) if d else set(P.STAGE_ORDER)
         with Horizontal(id="stages"):

@@ -1,0 +1,160 @@
+"""GLIDE training step on a GPU: tokens/s and peak memory next to the preflight's estimate.
+
+    python bench/gpu_check.py --out step.json                 # CUDA: Qwen2.5-7B-shaped target, 8k and 32k
+    python bench/gpu_check.py --dry-run --out step.json       # CPU: a tiny target, seconds (what the tests run)
+
+The target is a random-weight stack shaped like Qwen2.5-7B (28 layers, hidden 3584, 28 heads over
+4 KV heads, MLP 18944, vocab 152064; --layers to shorten it), in bf16. One step = the frozen
+target's forward, the draft's forward and backward, both losses, and an AdamW step on the draft
+(plain torch, no DeepSpeed: one GPU, nothing partitioned). Each length runs --warmup steps, then
+--steps timed ones. The estimate is longspec_cli.launch.memory.estimate for the same shape
+(ZeRO-0, no offload, the attention kernel actually chosen); the JSON holds both and their ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+QWEN25_7B = dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
+                 num_hidden_layers=28, vocab_size=152064, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                 max_position_embeddings=131072, tie_word_embeddings=False)
+TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            num_hidden_layers=2, vocab_size=512, rope_theta=10000.0, rms_norm_eps=1e-6,
+            max_position_embeddings=32768, tie_word_embeddings=False)
+
+
+def parse(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="JSON file to write")
+    ap.add_argument("--dry-run", action="store_true", help="tiny target on the CPU (checks the script)")
+    ap.add_argument("--seq", type=int, nargs="+", help="sequence lengths (default 8192 32768; dry run 64 128)")
+    ap.add_argument("--layers", type=int, help="target layers (default 28; dry run 2)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per length")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--kernels", choices=("auto", "fused", "reference"), default="auto")
+    return ap.parse_args(argv)
+
+
+def build_target(dims: dict, device, dtype):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(**dims)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            torch.manual_seed(0)
+            model = Qwen2ForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def estimate_bytes(dims: dict, seq: int, window: int, flash: bool, on_cuda: bool) -> float:
+    from longspec_cli.launch.memory import ModelSize, StageShape, estimate
+
+    size = ModelSize.from_mapping({**dims, "model_type": "qwen2"})
+    shape = StageShape(size=size, precision="bf16", zero_stage=0, offload_optimizer=False, seq_len=seq,
+                       micro_batch=1, world_size=1, flash=flash, sliding_window=window, cuda=on_cuda)
+    return estimate(shape).peak
+
+
+def run_length(model, seq: int, a: argparse.Namespace, device) -> dict:
+    import torch
+
+    from longspec.positions import anchor_offset_position_ids, sample_cross_lag
+
+    vocab = model.target.config.vocab_size
+    gen = torch.Generator().manual_seed(seq)
+    opt = torch.optim.AdamW(model.trainable_parameters(), lr=1e-5)
+    on_cuda = device.type == "cuda"
+    if on_cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    times, losses = [], []
+    for i in range(a.warmup + a.steps):
+        ids = torch.randint(0, vocab, (1, seq), generator=gen)
+        pos = anchor_offset_position_ids(seq, 1, anchors=4, max_offset=1000, threshold=1200, generator=gen)
+        lag = sample_cross_lag(4, gen)
+        if on_cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        out = model(ids.to(device), ids.to(device), pos.to(device), cross_lag=lag)
+        out["loss"].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if on_cuda:
+            torch.cuda.synchronize(device)
+        if i >= a.warmup:
+            times.append(time.perf_counter() - t0)
+            losses.append(out["loss"].item())
+    step_s = sum(times) / len(times)
+    peak = torch.cuda.max_memory_allocated(device) if on_cuda else None
+    return {"seq_len": seq, "step_s": round(step_s, 4), "tokens_per_s": round(seq / step_s, 1),
+            "peak_bytes": peak, "loss": round(losses[-1], 4), "finite": all(map(lambda x: x == x, losses))}
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import torch
+
+    from longspec import kernels
+    from longspec.model import build_glide
+
+    if not a.dry_run and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device (use --dry-run to check the script on a CPU)", file=sys.stderr)
+        return 2
+    device = torch.device("cpu" if a.dry_run else "cuda")
+    dims = dict(TINY if a.dry_run else QWEN25_7B)
+    if a.layers:
+        dims["num_hidden_layers"] = a.layers
+    seqs = a.seq or ([64, 128] if a.dry_run else [8192, 32768])
+    dtype = torch.float32 if a.dry_run else torch.bfloat16
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    kernels.set_mode(a.kernels)
+    chosen = kernels.backend(device)
+    t0 = time.perf_counter()
+    target = build_target(dims, device, dtype)
+    model = build_glide(target, sliding_window=a.window, dtype=dtype).to(device)
+    built_s = time.perf_counter() - t0
+    flash = chosen["attention"] == "flash_attn"
+    results = []
+    for seq in seqs:
+        est = estimate_bytes(dims, seq, a.window, flash, device.type == "cuda")
+        try:
+            r = run_length(model, seq, a, device)
+        except torch.OutOfMemoryError as e:            # a figure too: the estimate said it fits?
+            r = {"seq_len": seq, "error": f"out of memory: {str(e).splitlines()[0]}"}
+            torch.cuda.empty_cache()
+        r["estimate_bytes"] = int(est)
+        if r.get("peak_bytes"):
+            r["measured_over_estimate"] = round(r["peak_bytes"] / est, 3)
+        results.append(r)
+        print(json.dumps(r), flush=True)
+    report = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dry_run": a.dry_run, "torch": torch.__version__, "kernels_mode": a.kernels, "kernels": chosen,
+        "target_shape": dims, "target_params": sum(p.numel() for p in model.target.parameters()),
+        "draft_trainable_params": sum(p.numel() for p in model.trainable_parameters()),
+        "dtype": str(dtype).replace("torch.", ""), "sliding_window": a.window, "build_s": round(built_s, 2),
+        "steps": a.steps, "warmup": a.warmup, "results": results,
+    }
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
