@@ -102,7 +102,7 @@ SHAPES = [
      {"conf/common/draft.yaml": INCLUDE_DRAFT}, [], True),
     ("include-sets-draft-before-self", HEAD + d("/deepspeed@ds_cfg: zero1", "/common: draft", "_self_") + BODY,
      {"conf/common/draft.yaml": INCLUDE_DRAFT}, [], True),
-    ("yaml11-yes", swap("  max_seq_length: 512\n", "  max_seq_length: 512\n  train_eos: yes\n"), {}, [], True),
+    ("yaml11-yes", CLEAN + "logging:\n  tensorboard: yes\n", {}, [], True),
     ("yaml11-octal", CLEAN + "seed: 010\n", {}, [], True),
     ("yaml11-off", CLEAN + "logging:\n  wandb: off\n", {}, [], True),
     ("oc-select-default", CLEAN + "seed: ${oc.select:no_such_key,7}\n", {}, [], True),
