@@ -427,32 +427,14 @@ def guarded(cfg) -> int:
 
 
 def main() -> None:
-    import warnings
+    """`python -m longspec.prepare [--json] --config-dir DIR/conf +exp=STAGE [overrides]`: the stage
+    composed by the trainer's own Hydra entry (same primary config and search path)."""
+    from longspec import train
 
-    # Run outside a project folder, Hydra warns that the `conf` search path is absent: harmless here.
-    warnings.filterwarnings("ignore", message="provider=hydra.searchpath")
     argv, flags = _take_flags(sys.argv[1:])
     FLAGS.update(flags)
-    sys.argv = [sys.argv[0]] + argv
-    _hydra_entry()
-
-
-def _make_hydra_entry():
-    import hydra
-
-    @hydra.main(config_path=str(Path(__file__).resolve().parent / "conf"), config_name="config",
-                version_base=None)
-    def entry(cfg) -> None:
-        code = guarded(cfg)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        if code:
-            sys.exit(code)
-
-    return entry
-
-
-_hydra_entry = _make_hydra_entry()
+    sys.argv = [sys.argv[0]] + train.implied_config_dir(argv)
+    train._make_hydra_entry(guarded)()
 
 if __name__ == "__main__":
     main()
