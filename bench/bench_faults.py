@@ -30,7 +30,7 @@ from longspec_cli.core.manifest import load_manifest  # noqa: E402
 from longspec_cli.launch import argv as A  # noqa: E402
 from longspec_cli.launch import disk as D  # noqa: E402
 from longspec_cli.launch import pipeline  # noqa: E402
-from longspec_cli.launch.process import group_members  # noqa: E402
+from longspec_cli.core.liveness import group_members  # noqa: E402
 
 CLI = [sys.executable, "-m", "longspec_cli"]
 

@@ -21,7 +21,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Iterable
 
 WEIGHTS = "draft_model_weights.pth"
 WEIGHTS_SAFETENSORS = "draft_model_weights.safetensors"
@@ -324,54 +324,6 @@ class RunDir:
             if info is not None:
                 out.append(Checkpoint(step=int(m.group(1)), path=Path(e.path), info=info))
         return sorted(out, key=lambda c: c.step)
-
-
-# ---------------------------------------------------------------------------------------------
-# processes
-
-
-def proc_start_time(pid: int) -> int | float | None:
-    """The process's start time: /proc/<pid>/stat field 22 (clock ticks since boot), else psutil's
-    create_time(); None when there is no such process (or it is a zombie)."""
-    try:
-        with open(f"/proc/{int(pid)}/stat", "rb") as f:
-            stat = f.read().decode("ascii", "replace")
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    except OSError:
-        stat = None
-    if stat is not None:
-        # "pid (comm) state ppid ..." - comm may hold spaces and parens, so split after the last ')'
-        rest = stat[stat.rfind(")") + 2:].split()
-        if len(rest) < 20 or rest[0] in ("Z", "X"):
-            return None
-        return int(rest[19])  # field 22 overall; fields after ')' start at 3
-    try:
-        import psutil
-    except ImportError:
-        return None
-    try:
-        p = psutil.Process(int(pid))
-        if p.status() == psutil.STATUS_ZOMBIE:
-            return None
-        return p.create_time()
-    except (psutil.Error, ValueError):
-        return None
-
-
-def pid_alive(pid: Any, proc_start: Any) -> bool:
-    """True only if `pid` exists AND started at `proc_start` (so a reused pid is not the run)."""
-    if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0 or proc_start is None:
-        return False
-    now = proc_start_time(pid)
-    if now is None:
-        return False
-    if isinstance(now, int) and isinstance(proc_start, int) and not isinstance(proc_start, bool):
-        return now == proc_start
-    try:
-        return abs(float(now) - float(proc_start)) < 1e-3
-    except (TypeError, ValueError):
-        return False
 
 
 # ---------------------------------------------------------------------------------------------

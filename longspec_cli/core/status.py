@@ -13,12 +13,11 @@ States (docs/DESIGN.md): done, stale, running, failed, pending. Order of the che
 
 from __future__ import annotations
 
-import socket
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from longspec_cli.core import runfolder
+from longspec_cli.core import liveness, runfolder
 from longspec_cli.core.manifest import Manifest, StageSpec
 
 STATES = ("pending", "running", "done", "failed", "stale", "preempted")
@@ -179,13 +178,10 @@ def _progress(st: StageStatus, rd: runfolder.RunDir, complete: dict | None, even
 
 
 def _running(info: dict, st: StageStatus) -> bool:
-    host = info.get("host")
-    if host and host != socket.gethostname():
-        st.reasons.append(f"started on host {host}; its process cannot be checked from here")
-        return True
-    if runfolder.pid_alive(info.get("pid"), info.get("proc_start")):
-        return True
-    return False
+    alive = liveness.run_alive(info)
+    if alive is None:
+        st.reasons.append(f"started on host {liveness.other_host(info)}; its process cannot be checked from here")
+    return alive is not False
 
 
 def _check_stale(st: StageStatus, spec: StageSpec, complete: dict, info: dict | None,

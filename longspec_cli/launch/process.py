@@ -30,7 +30,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, TextIO
 
-from longspec_cli.core import runfolder
+from longspec_cli.core import liveness, runfolder
 from longspec_cli.core.atomic import atomic_write_json
 from longspec_cli.errors import RefusedError
 from longspec_cli.launch.argv import INSTALL_HINT, LaunchCommand
@@ -49,37 +49,6 @@ def utc_now() -> str:
 
 
 # ----------------------------------------------------------------------------- group members
-
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes whose process group is `pgid`."""
-    if not os.path.isdir("/proc"):
-        try:
-            os.killpg(pgid, 0)
-            return [pgid]
-        except (ProcessLookupError, PermissionError):
-            return []
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read().decode("ascii", "replace")
-        except OSError:
-            continue
-        rest = stat[stat.rfind(")") + 2:].split()
-        if len(rest) > 2 and rest[0] not in ("Z", "X") and rest[2] == str(pgid):
-            out.append(int(name))
-    return out
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return [a.decode("utf-8", "replace") for a in f.read().split(b"\0") if a]
-    except OSError:
-        return []
-
 
 def is_trainer_rank(argv: list[str]) -> bool:
     """A training rank runs `python [-u] -m longspec.train ...` (or longspec/train.py); DeepSpeed's
@@ -100,7 +69,7 @@ def is_node_launcher(argv: list[str]) -> bool:
 
 def trainer_ranks(pgid: int) -> list[int]:
     """The training ranks among the live members of process group `pgid`."""
-    return [pid for pid in group_members(pgid) if is_trainer_rank(_cmdline(pid))]
+    return [pid for pid in liveness.group_members(pgid) if is_trainer_rank(liveness.cmdline(pid))]
 
 
 def request_save(pgid: int) -> list[int]:
@@ -121,12 +90,12 @@ def wait_group(pgid: int, timeout: float, reap: Callable[[], None] | None = None
     while time.monotonic() < deadline:
         if reap:
             reap()
-        if not group_members(pgid):
+        if not liveness.group_members(pgid):
             return True
         if skip and skip():
             return False
         time.sleep(0.1)
-    return not group_members(pgid)
+    return not liveness.group_members(pgid)
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -148,7 +117,7 @@ def terminate_group(pgid: int, *, grace_int: float = GRACE_INT_S, grace_term: fl
     for sig, grace in ((signal.SIGINT, grace_int), (signal.SIGTERM, grace_term), (signal.SIGKILL, 5.0)):
         if reap:
             reap()
-        if not group_members(pgid):
+        if not liveness.group_members(pgid):
             return last
         if say and sig != signal.SIGINT:
             say(f"sending {signal.Signals(sig).name} to process group {pgid}")
@@ -158,7 +127,7 @@ def terminate_group(pgid: int, *, grace_int: float = GRACE_INT_S, grace_term: fl
         while time.monotonic() < deadline:
             if reap:
                 reap()
-            if not group_members(pgid):
+            if not liveness.group_members(pgid):
                 return last
             if skip and skip():
                 break
@@ -347,7 +316,7 @@ def run_stage_process(cmd: LaunchCommand, output_dir: Path, stage: str, override
             info = {
                 "pid": proc.pid, "pgid": proc.pid, "host": socket.gethostname(), "argv": cmd.argv,
                 "env": cmd.env, "started_at": utc_now(), "started_unix": time.time(),
-                "proc_start": runfolder.proc_start_time(proc.pid),
+                "proc_start": liveness.proc_start_time(proc.pid),
                 "overrides": list(overrides), "stage": stage, "output_dir": str(output_dir),
                 "world_size": cmd.world_size, "launcher_pid": os.getpid(), **(extra_info or {}),
             }
@@ -432,14 +401,14 @@ def _follow(proc: subprocess.Popen, log_path: Path, offset: int, output_dir: Pat
     # that kill), let the ranks finish, then nothing may outlive us.
     if trainer_ranks(proc.pid):
         if proc.returncode is not None and proc.returncode < 0:
-            for pid in group_members(proc.pid):
-                if is_node_launcher(_cmdline(pid)):
+            for pid in liveness.group_members(proc.pid):
+                if is_node_launcher(liveness.cmdline(pid)):
                     try:
                         os.kill(pid, signal.SIGKILL)
                     except (ProcessLookupError, PermissionError):
                         pass
         wait_group(proc.pid, SAVE_TIMEOUT_S, reap=pump, skip=intr.new)
-    if group_members(proc.pid):
+    if liveness.group_members(proc.pid):
         terminate_group(proc.pid, grace_int=grace_int if not interrupted else 0.5, grace_term=grace_term,
                         skip=intr.new)
     pump()
@@ -509,10 +478,11 @@ def live_run(output_dir: Path) -> dict | None:
     info, _ = runfolder.read_json(Path(output_dir) / runfolder.RUN_INFO)
     if info is None:
         return None
-    if info.get("host") and info.get("host") != socket.gethostname():
-        raise RefusedError(f"{output_dir}: the run was started on host {info.get('host')}",
-                           hint=f"run `longspec stop` on {info.get('host')}")
-    if not runfolder.pid_alive(info.get("pid"), info.get("proc_start")):
+    host = liveness.other_host(info)
+    if host:
+        raise RefusedError(f"{output_dir}: the run was started on host {host}",
+                           hint=f"run `longspec stop` on {host}")
+    if not liveness.run_alive(info):
         return None
     pgid = info.get("pgid")
     if not isinstance(pgid, int) or pgid != info.get("pid"):
@@ -541,4 +511,4 @@ def stop_run(output_dir: Path, stage: str, *, grace_int: float = GRACE_INT_S,
         if wait_group(pid, save_timeout):
             return StopOutcome(stage=stage, pid=pid, signal="SIGTERM", remaining=[], saved=True)
     last = terminate_group(pid, grace_int=grace_int, grace_term=grace_term, say=say)
-    return StopOutcome(stage=stage, pid=pid, signal=last, remaining=group_members(pid))
+    return StopOutcome(stage=stage, pid=pid, signal=last, remaining=liveness.group_members(pid))

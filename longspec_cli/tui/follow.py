@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from longspec_cli.core import runfolder
+from longspec_cli.core import liveness, runfolder
 from longspec_cli.core.manifest import Manifest, StageSpec, load_manifest
 from longspec_cli.tui import alerts as A
 from longspec_cli.tui.series import ChartData, Series, finite_or_nan
@@ -240,13 +239,7 @@ class StageFollow:
         return force
 
     def _alive(self) -> bool | None:
-        info = self.run_info
-        if info is None:
-            return None
-        host = info.get("host")
-        if host and host != socket.gethostname():
-            return None  # cannot check a process on another node
-        return runfolder.pid_alive(info.get("pid"), info.get("proc_start"))
+        return liveness.run_alive(self.run_info)
 
     # -- records -----------------------------------------------------------------------------
 

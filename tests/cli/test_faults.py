@@ -25,8 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from longspec_cli.core import runfolder
-from longspec_cli.launch import process as P
+from longspec_cli.core import liveness, runfolder
 from longspec_cli.launch.pipeline import ops_build_dir
 from tests.cli.test_run import LONGSPEC, ROOT, cli, cpu_env, flat, last_step, wait_for
 
@@ -66,7 +65,7 @@ def test_sigterm_saves_the_step_stop_saves_stop_now_does_not_and_each_rerun_resu
     os.killpg(pgid, signal.SIGTERM)
     stdout, stderr = run.communicate(timeout=120)
     assert run.returncode == 5, stdout[-2000:] + stderr[-2000:]
-    assert P.group_members(pgid) == []
+    assert liveness.group_members(pgid) == []
     pre = lifecycle(out)[-1]
     assert pre["event"] == "preempted" and pre["signal"] == "SIGTERM"
     n = pre["step"]
@@ -259,4 +258,4 @@ def test_the_sbatch_node_launcher_lets_the_ranks_save_and_passes_their_code_on(t
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=60)
     assert time.monotonic() - t0 < 10 and not (tmp_path / "rank.saved").exists()
-    assert P.group_members(proc.pid) == []
+    assert liveness.group_members(proc.pid) == []

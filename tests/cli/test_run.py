@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from longspec_cli.core import runfolder
+from longspec_cli.core import liveness, runfolder
 from longspec_cli.errors import RefusedError
 from longspec_cli.launch import argv as A
 from longspec_cli.launch import process as P
@@ -129,7 +129,7 @@ def last_step(out: Path) -> int:
 
 
 def alive(pid: int) -> bool:
-    return runfolder.proc_start_time(pid) is not None
+    return liveness.proc_start_time(pid) is not None
 
 
 # ------------------------------------------------------------------------------------ fast tier
@@ -183,7 +183,7 @@ def test_sigint_stops_the_group_exits_130_and_the_next_run_resumes(fake, tmp_pat
     text, _ = drv.communicate(timeout=60)
     assert drv.returncode == 130, text
     assert "interrupt: stopping base" in text
-    assert P.group_members(info["pgid"]) == [] and not alive(helper)
+    assert liveness.group_members(info["pgid"]) == [] and not alive(helper)
     stopped_at = last_step(out)
 
     drv = start_driver(fake, fake_argv(fake, out, "max_steps=8", "step_s=0.05"), out)
@@ -204,7 +204,7 @@ def test_a_child_that_ignores_sigint_and_sigterm_is_killed(fake, tmp_path):
     text, _ = drv.communicate(timeout=60)
     assert drv.returncode == 130, text
     assert "SIGKILL" in text and time.monotonic() - t0 < 20
-    assert P.group_members(pgid) == []
+    assert liveness.group_members(pgid) == []
 
 
 def write_project(tmp_path: Path, out: Path) -> Path:
@@ -231,7 +231,7 @@ def test_longspec_stop_from_another_terminal(fake, tmp_path):
     assert f"stopped base: process group {pgid}" in stop.stdout
     text, _ = drv.communicate(timeout=60)
     assert drv.returncode == 130 and '"stopped": true' in text
-    assert P.group_members(pgid) == []
+    assert liveness.group_members(pgid) == []
     again = subprocess.run([*LONGSPEC, "stop", str(proj)], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert again.returncode == 1 and "nothing to stop" in again.stderr
 
@@ -241,7 +241,7 @@ def test_a_stale_run_json_is_never_signalled(tmp_path):
     proj = write_project(tmp_path, out)
     other = subprocess.Popen([PY, "-c", "import time; time.sleep(120)"], start_new_session=True)
     try:
-        real_start = runfolder.proc_start_time(other.pid)
+        real_start = liveness.proc_start_time(other.pid)
         out.mkdir(parents=True)
         info = {"pid": other.pid, "pgid": other.pid, "host": socket.gethostname(), "argv": ["deepspeed"],
                 "started_at": "2020-01-01T00:00:00Z", "proc_start": real_start - 1, "overrides": []}
@@ -273,11 +273,11 @@ def test_sigint_through_the_real_deepspeed_launcher_leaves_no_process(fake, tmp_
     wait_for(lambda: last_step(out) >= 2, 240, "two steps through deepspeed")
     pgid = json.loads((out / "run.json").read_text())["pgid"]
     helpers = [int((out / f"helper-{r}.pid").read_text()) for r in (0, 1)]
-    assert len(P.group_members(pgid)) >= 5  # runner, launcher, two ranks, their helpers
+    assert len(liveness.group_members(pgid)) >= 5  # runner, launcher, two ranks, their helpers
     drv.send_signal(signal.SIGINT)
     text, _ = drv.communicate(timeout=120)
     assert drv.returncode == 130, text
-    assert P.group_members(pgid) == [] and not any(alive(h) for h in helpers)
+    assert liveness.group_members(pgid) == [] and not any(alive(h) for h in helpers)
     assert "fake trainer rank 1" in (out / "train.log").read_text()
 
 
@@ -463,7 +463,7 @@ def test_plan_resumes_an_interrupted_stage_and_refuses_a_running_one(tmp_path):
     assert actions(proj)["base"] == "resume"
     me = os.getpid()
     (base.output_dir / "run.json").write_text(json.dumps({
-        "pid": me, "pgid": me, "host": socket.gethostname(), "proc_start": runfolder.proc_start_time(me)}))
+        "pid": me, "pgid": me, "host": socket.gethostname(), "proc_start": liveness.proc_start_time(me)}))
     with pytest.raises(RefusedError, match="stage base is running"):
         pipeline.plan_stages(load_manifest(proj), pipeline.RunRequest(project=proj, all=True))
 
@@ -491,7 +491,7 @@ def test_ctrl_c_on_longspec_run_then_the_next_run_resumes_to_the_planned_step(tm
     run.send_signal(signal.SIGINT)
     text, _ = run.communicate(timeout=120)
     assert run.returncode == 130, text
-    assert P.group_members(pgid) == []  # not one rank, launcher or helper left
+    assert liveness.group_members(pgid) == []  # not one rank, launcher or helper left
     assert not (out / "stage_complete.json").exists()
     saved = max(c.step for c in runfolder.RunDir(out).checkpoints())
     assert saved >= 4

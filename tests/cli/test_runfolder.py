@@ -1,13 +1,11 @@
-"""Run-folder contract, read side: metrics parsing and tailing, JSON files, checkpoints,
-the config fingerprint shared with the trainer, and pid liveness that survives pid reuse."""
+"""Run-folder contract, read side: metrics parsing and tailing, JSON files, checkpoints and
+the config fingerprint shared with the trainer."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import subprocess
-import sys
 import time
 
 from longspec_cli.core import runfolder as R
@@ -173,30 +171,6 @@ def test_run_info_reads_run_json(tmp_path):
     assert rd.run_info() is None
     (tmp_path / "run.json").write_text(json.dumps({"pid": 5, "overrides": ["seed=1"]}))
     assert rd.run_info()["overrides"] == ["seed=1"]
-
-
-# ----------------------------------------------------------------------------- processes
-
-def test_pid_alive_needs_the_same_start_time(tmp_path):
-    me = os.getpid()
-    start = R.proc_start_time(me)
-    assert start is not None
-    assert R.pid_alive(me, start)
-    assert not R.pid_alive(me, start - 1 if isinstance(start, int) else start - 5.0)  # a reused pid
-    assert not R.pid_alive(me, None)
-    assert not R.pid_alive("123", start) and not R.pid_alive(True, start) and not R.pid_alive(-1, start)
-
-
-def test_pid_alive_false_for_an_exited_process_and_a_zombie():
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    start = R.proc_start_time(child.pid)
-    deadline = time.time() + 20
-    # not reaped yet: a zombie still has /proc/<pid>, but it is not a running training process
-    while R.proc_start_time(child.pid) is not None and time.time() < deadline:
-        time.sleep(0.02)
-    assert not R.pid_alive(child.pid, start)
-    child.wait()
-    assert not R.pid_alive(child.pid, start)
 
 
 def test_cached_sha256_rehashes_after_any_change(tmp_path):

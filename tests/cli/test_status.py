@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from longspec_cli.app import app
-from longspec_cli.core import runfolder as R
+from longspec_cli.core import liveness
 
 from .conftest import (BAD_YAML, finish_chain, finish_stage, no_traceback, panel_text, write_checkpoint,
                        write_metrics)
@@ -106,7 +106,7 @@ def test_running_is_a_live_process_with_the_recorded_start_time(project, drafts)
     write_metrics(out, 12, 100, end=False)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        _run_json(out, child.pid, R.proc_start_time(child.pid))
+        _run_json(out, child.pid, liveness.proc_start_time(child.pid))
         s = _status(project)
         assert s["long"]["state"] == "running"
         assert s["long"]["next_action"] == "wait (running)"
@@ -125,7 +125,7 @@ def test_running_is_a_live_process_with_the_recorded_start_time(project, drafts)
 def test_a_reused_pid_is_not_taken_as_the_run(project):
     # our own pid is alive, but it is not the process that started at proc_start
     me = os.getpid()
-    start = R.proc_start_time(me)
+    start = liveness.proc_start_time(me)
     _run_json(project.out("base"), me, start - 1 if isinstance(start, int) else start - 5.0)
     assert _status(project)["base"]["state"] == "failed"
     _run_json(project.out("base"), me, start)

@@ -16,7 +16,7 @@ import os
 import socket
 from pathlib import Path
 
-from longspec_cli.core import runfolder
+from longspec_cli.core import liveness, runfolder
 from longspec_cli.core.atomic import atomic_write_json, sha256_file
 from longspec_cli.core.manifest import load_manifest
 from longspec_cli.core.scaffold import InitAnswers, plan_project, write_project
@@ -78,7 +78,7 @@ def write_run(root: Path, stage: str, *, steps: int, total: int, done: bool, ali
     (out / "train.log").write_text("\n".join(log_lines(stage, steps, total, index)) + "\n")
     if alive_pid:
         pid = os.getpid()
-        info = {"pid": pid, "pgid": os.getpgid(pid), "host": socket.gethostname(), "proc_start": runfolder.proc_start_time(pid)}
+        info = {"pid": pid, "pgid": os.getpgid(pid), "host": socket.gethostname(), "proc_start": liveness.proc_start_time(pid)}
     else:
         info = {"pid": DEAD_PID, "pgid": DEAD_PID, "host": socket.gethostname(), "proc_start": DEAD_START}
     info.update(argv=["deepspeed", "--module", "longspec.train", f"+exp={stage}"], started_at="2025-10-09T08:53:20Z",
