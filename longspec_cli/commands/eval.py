@@ -13,7 +13,7 @@ from typing import List, Optional
 import typer
 
 from longspec_cli.errors import RefusedError, UsageError, run_cli
-from longspec_cli.launch.jsonproc import run_trainer_json
+from longspec_cli.core.trainerjson import run_trainer_json
 
 EPILOG = """Examples:
 

@@ -42,7 +42,7 @@ def export_cmd(
     """Export a stage's draft as an HF-style folder or a plain .safetensors file."""
 
     def body() -> None:
-        from longspec_cli.launch.jsonproc import run_trainer_json
+        from longspec_cli.core.trainerjson import run_trainer_json
         from longspec_cli.core.manifest import load_manifest
         from longspec_cli.core.status import project_status
 

@@ -59,9 +59,15 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def cache_root() -> Path:
+    """longspec's one cache folder: $LONGSPEC_CACHE_DIR, else $XDG_CACHE_HOME/longspec, else ~/.cache/longspec."""
+    return Path(os.environ.get("LONGSPEC_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "longspec"))
+
+
 def lock_path(path: str | os.PathLike) -> Path:
     """Where the lock for `path` lives: a cache folder, so no `.lock` file clutters the config tree."""
-    base = Path(os.environ.get("LONGSPEC_CACHE_DIR") or Path.home() / ".cache" / "longspec") / "locks"
+    base = cache_root() / "locks"
     base.mkdir(parents=True, exist_ok=True)
     key = hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:24]
     return base / f"{Path(path).name}.{key}.lock"
@@ -83,3 +89,32 @@ def locked(path: str | os.PathLike, timeout: float = 30.0) -> Iterator[None]:
             f"{path} is locked by another longspec process",
             hint=f"wait for it to finish, or remove {lock_path(path)} if no longspec process is running",
         ) from None
+
+
+def cache_get(name: str, key: str) -> Any:
+    """The value stored under `key` in the cache file `name` (under cache_root()), or None."""
+    try:
+        cache = json.loads((cache_root() / name).read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return cache.get(key) if isinstance(cache, dict) else None
+
+
+def cache_put(name: str, key: str, value: Any, keep: int) -> None:
+    """Store `key` -> `value` in the cache file `name`, keeping the newest `keep` entries. The
+    read-modify-write holds the file's lock; a read-only or busy cache is skipped (computed again next time)."""
+    from longspec_cli.errors import RefusedError
+
+    path = cache_root() / name
+    try:
+        with locked(path, timeout=5.0):
+            try:
+                cache = json.loads(path.read_bytes())
+            except (OSError, ValueError, RecursionError):
+                cache = {}
+            cache = cache if isinstance(cache, dict) else {}
+            cache.pop(key, None)  # re-inserted last: the newest entry
+            cache[key] = value
+            atomic_write_json(path, dict(list(cache.items())[-keep:]))
+    except (OSError, RefusedError):
+        pass

@@ -16,8 +16,6 @@ import io
 import json
 import os
 import re
-import subprocess
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +27,7 @@ from longspec_cli.errors import InputError, RefusedError, UsageError
 DRAFT_KEY = "draft_model_name_or_path"
 AFTER_KEY = "model_name_or_path"  # a new DRAFT_KEY line goes right after this key's value
 BOM = "\ufeff"
+DEEPCHECK_CACHE = "deepcheck.json"  # under atomic.cache_root()
 _PLAIN_OK = re.compile(r"[^\s'\"#:,\[\]{}&*!|>%@`?]+")  # chars that never need quotes in a plain path
 _COMMENT_OR_BLANK = re.compile(r"[ \t]*(#.*)?\r?")
 
@@ -293,36 +292,29 @@ def verify_explicit_draft(draft: Path, target: Path | None, deep: bool | None = 
                          run_deep_check(draft, target, sha) if deep is not False else None)
 
 
-def torch_available() -> bool:
-    return importlib.util.find_spec("torch") is not None
-
-
 def run_deep_check(draft: Path, target: Path | None, sha: str | None, timeout: float = 600.0) -> dict | None:
     """Load the draft with weights_only=True in a subprocess (never in this process) and check it
     against the target; results for a given (sha256, target) are cached. None without torch."""
-    if not torch_available():
+    from longspec_cli.core import trainerjson
+    from longspec_cli.core.atomic import cache_get, cache_put
+
+    if importlib.util.find_spec("torch") is None:
         return None
     cache_key = f"{sha}|{_target_sig(target)}" if sha else None
-    cache_path = Path(runfolder._cache_file()).with_name("deepcheck.json")
-    if cache_key:
-        cache, _ = runfolder.read_json(cache_path)
-        if cache and isinstance(cache.get(cache_key), dict):
-            return {**cache[cache_key], "cached": True}
-    cmd = [sys.executable, "-m", "longspec_cli.core.draftcheck_main", str(draft)]
+    hit = cache_get(DEEPCHECK_CACHE, cache_key) if cache_key else None
+    if isinstance(hit, dict):
+        return {**hit, "cached": True}
+    argv = trainerjson.module_argv("longspec.draftcheck", str(draft))
     if target is not None:
-        cmd += ["--target", str(target)]
-    env = dict(os.environ)
-    pkg_root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
+        argv += ["--target", str(target)]
+    run = trainerjson.run_module(argv, timeout=timeout)
+    if run.timed_out:
         raise InputError(f"checking {draft} took over {timeout:.0f} s",
                          hint="`longspec next-stage --no-deep` chains without the load check")
-    report = _last_json(proc.stdout)
+    report = run.result
     if report is None:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        raise InputError(f"could not check {draft}: the checker exited {proc.returncode}: {' / '.join(tail)}",
+        tail = [line for line in run.tail if line.strip()][-3:]
+        raise InputError(f"could not check {draft}: the checker exited {run.code}: {' / '.join(tail)}",
                          hint="`longspec next-stage --no-deep` chains without the load check")
     if not report.get("loadable"):
         raise InputError(f"{draft} cannot be loaded with weights_only=True: {report.get('error')}",
@@ -332,15 +324,7 @@ def run_deep_check(draft: Path, target: Path | None, sha: str | None, timeout: f
         raise RefusedError(f"{draft} does not fit the target: {shown}",
                            hint="the draft was trained for another target, or the target changed")
     if cache_key:
-        cache, _ = runfolder.read_json(cache_path)
-        cache = cache or {}
-        cache[cache_key] = report
-        try:
-            from longspec_cli.core.atomic import atomic_write_json
-
-            atomic_write_json(cache_path, dict(list(cache.items())[-256:]))
-        except OSError:
-            pass
+        cache_put(DEEPCHECK_CACHE, cache_key, report, keep=256)
     return report
 
 
@@ -353,17 +337,6 @@ def _target_sig(target: Path | None) -> str:
         return f"{os.path.abspath(target)}:{st.st_size}:{st.st_mtime_ns}"
     except OSError:
         return f"{os.path.abspath(target)}:no-config"
-
-
-def _last_json(out: str) -> dict | None:
-    for line in reversed((out or "").strip().splitlines()):
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict):
-            return obj
-    return None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ METRICS = "metrics.jsonl"
 RUN_INFO = "run.json"
 STAGE_COMPLETE = "stage_complete.json"
 CHECKPOINT_INFO = "checkpoint.json"
+SHA256_CACHE = "sha256.json"  # under atomic.cache_root()
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -330,32 +331,17 @@ class RunDir:
 # hashing with a cache (status must not re-hash multi-GB drafts on every call)
 
 
-def _cache_file() -> Path:
-    base = os.environ.get("LONGSPEC_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "longspec")
-    return Path(base) / "sha256.json"
-
-
 def cached_sha256(path: str | os.PathLike) -> str:
     """sha256 of a file, remembered by (device, inode, size, mtime_ns, ctime_ns) so an unchanged
     file is hashed once. Any change to the file (even with mtime restored) changes ctime."""
-    from longspec_cli.core.atomic import atomic_write_json, sha256_file
+    from longspec_cli.core.atomic import cache_get, cache_put, sha256_file
 
     p = Path(path).absolute()
     st = p.stat()
     key = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
-    cache_path = _cache_file()
-    cache, _ = read_json(cache_path)
-    cache = cache or {}
-    hit = cache.get(str(p))
+    hit = cache_get(SHA256_CACHE, str(p))
     if isinstance(hit, dict) and hit.get("key") == key and isinstance(hit.get("sha256"), str):
         return hit["sha256"]
     digest = sha256_file(p)
-    cache[str(p)] = {"key": key, "sha256": digest}
-    if len(cache) > 512:  # keep the cache small: drop the oldest entries (dicts keep insertion order)
-        cache = dict(list(cache.items())[-512:])
-    try:
-        atomic_write_json(cache_path, cache)
-    except OSError:
-        pass  # a read-only home is fine: we just hash again next time
+    cache_put(SHA256_CACHE, str(p), {"key": key, "sha256": digest}, keep=512)
     return digest

@@ -609,7 +609,7 @@ def _run_eval(manifest: Manifest, spec: StageSpec, out: StageOutcome, req: RunRe
               console: Console) -> dict | None:
     """Run the evaluator (as `longspec eval`); the result, or None after a warning (--eval only)."""
     from longspec_cli.core import quality
-    from longspec_cli.launch.jsonproc import run_trainer_json
+    from longspec_cli.core.trainerjson import run_trainer_json
 
     argv = eval_argv(manifest, spec)
     console.say(f"\n== {spec.name}: evaluating\n$ {' '.join(argv)}")

@@ -184,3 +184,19 @@ def test_cached_sha256_rehashes_after_any_change(tmp_path):
         fh.write(b"b")  # same size ...
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))  # ... and mtime put back: ctime still moves
     assert R.cached_sha256(f) == hashlib.sha256(b"b" + b"a" * 999).hexdigest()
+
+
+def test_one_cache_root_honours_xdg_and_keeps_the_newest_entries(tmp_path, monkeypatch):
+    from longspec_cli.core import atomic
+
+    monkeypatch.delenv("LONGSPEC_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert atomic.cache_root() == tmp_path / "xdg" / "longspec"
+    for i in range(4):
+        atomic.cache_put("t.json", f"k{i}", i, keep=3)
+    atomic.cache_put("t.json", "k1", 11, keep=3)  # a rewrite is the newest entry
+    assert json.loads((tmp_path / "xdg" / "longspec" / "t.json").read_text()) == {"k2": 2, "k3": 3, "k1": 11}
+    assert atomic.cache_get("t.json", "k0") is None and atomic.cache_get("t.json", "k1") == 11
+    assert atomic.lock_path("t.json").parent == tmp_path / "xdg" / "longspec" / "locks"
+    monkeypatch.setenv("LONGSPEC_CACHE_DIR", str(tmp_path / "own"))
+    assert atomic.cache_root() == tmp_path / "own"

@@ -1,4 +1,4 @@
-"""Deep check of a draft, run ONLY as a subprocess: `python -m longspec_cli.core.draftcheck_main DRAFT [--target DIR]`.
+"""Deep check of a draft, run ONLY as a subprocess: `python -m longspec.draftcheck DRAFT [--target DIR]`.
 
 It imports torch (and longspec's checkpoint/model code) here, never in the CLI process. Prints one
 JSON line:
@@ -74,7 +74,7 @@ def _target_problems(state, target: Path) -> tuple[bool, list[str], str | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m longspec_cli.core.draftcheck_main")
+    ap = argparse.ArgumentParser(prog="python -m longspec.draftcheck")
     ap.add_argument("draft", type=Path)
     ap.add_argument("--target", type=Path, default=None)
     args = ap.parse_args(argv)
