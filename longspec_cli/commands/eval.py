@@ -80,7 +80,7 @@ def eval_cmd(
 
     def body() -> None:
         from longspec_cli.core.manifest import load_manifest
-        from longspec_cli.core.quality import eval_command
+        from longspec_cli.core.quality import baseline_draft, eval_command
         from longspec_cli.core.status import project_status
 
         if prompts is not None and not prompts.is_file():
@@ -117,12 +117,10 @@ def eval_cmd(
         for st in todo:
             if not as_json:
                 typer.echo(f"evaluating {st.name} ...", err=True)
-            up = states.get(st.draft_from) if st.draft_from else None
-            up_ok = up is not None and up.state in FINISHED and up.draft_weights is not None and baseline
+            up_draft, up_name = baseline_draft(manifest.previous(st.name) if baseline else None)
             argv = eval_command(st.output_dir, st.name, gamma=gamma, max_new_tokens=max_new_tokens,
                                 num_prompts=num_prompts, prompts=prompts.resolve() if prompts else None, device=device,
-                                baseline_draft=up.draft_weights if up_ok else None,
-                                baseline_stage=up.name if up_ok else None, methods=methods, tree_shape=shape,
+                                baseline_draft=up_draft, baseline_stage=up_name, methods=methods, tree_shape=shape,
                                 temperature=temperature)
             if context_tokens is not None:
                 argv += ["--context-tokens", str(context_tokens)]

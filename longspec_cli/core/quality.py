@@ -96,6 +96,25 @@ def gate_check(prev_tau: float | None, cur_tau: float, pct: float) -> tuple[bool
     return True, f"{desc}: within {pct:g}%"
 
 
+def baseline_draft(upstream, *, planned: bool = False) -> tuple[Path | None, str | None]:
+    """(draft, stage name) that a stage's measurement decodes as its baseline: the draft_from stage's
+    final draft, when that stage finished (stage_complete.json names the file and its sha256 still
+    matches); else, for a planned run (`run` chains the stages), where that stage will write it;
+    else (None, None). `upstream` is the draft_from StageSpec, or None."""
+    if upstream is None:
+        return None, None
+    if planned and runfolder.RunDir(upstream.output_dir).stage_complete() is None:
+        return runfolder.RunDir(upstream.output_dir).final_weights, upstream.name
+    rd = runfolder.RunDir(upstream.output_dir)
+    complete = rd.stage_complete()
+    weights = rd.weights_for(complete) if complete is not None else None
+    try:
+        ok = weights is not None and weights.is_file() and runfolder.cached_sha256(weights) == complete["sha256"]
+    except OSError:
+        ok = False
+    return (weights, upstream.name) if ok else (None, None)
+
+
 def eval_command(output_dir: str | os.PathLike, stage: str, *, gamma: int = 4, max_new_tokens: int = 64,
                  num_prompts: int | None = None, prompts: str | os.PathLike | None = None, device: str = "auto",
                  baseline_draft: str | os.PathLike | None = None, baseline_stage: str | None = None,

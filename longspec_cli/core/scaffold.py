@@ -17,6 +17,7 @@ from typing import Any
 from longspec_cli.core import presets as P
 from longspec_cli.core import targets
 from longspec_cli.core.atomic import atomic_write_text
+from longspec_cli.core.traincmd import deepspeed_line
 from longspec_cli.errors import RefusedError, UsageError
 
 _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
@@ -204,10 +205,7 @@ def _plan(a: InitAnswers) -> tuple[dict[Path, str], list[str]]:
             "stage": stage,
             "gpus": gpus,
             "world_size": str(world),
-            "run_command": shlex.join([
-                "deepspeed", f"--num_gpus={gpus}", "--module", "longspec.train",
-                "--config-dir", str(conf), f"+exp={stage}", f"output_dir={out_dir}",
-            ]),
+            "run_command": deepspeed_line(gpus, conf, stage, out_dir),
             "run_command_cli": shlex.join(["longspec", "run", str(root), stage]),
             "project_dir": str(root),
             "target": target,
@@ -297,16 +295,13 @@ def local_data_file(root: Path, stage: str) -> Path:
 
 def build_local_assets(root: Path) -> dict[str, Any]:
     """Build the tiny target and data into ROOT/assets in a subprocess (the CLI never imports torch)."""
-    import importlib.util
-    import subprocess
-    import sys
+    from longspec_cli.core import trainerjson
 
-    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
+    if not trainerjson.trainer_available():
         raise RefusedError("the tiny preset builds a model locally and needs the trainer's packages",
                            hint="pip install 'longspec[train]'")
-    cmd = [sys.executable, "-m", "longspec.tiny", "build", str(root / "assets"), "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
-        raise RefusedError(f"building the tiny preset failed (exit {proc.returncode}):\n{tail}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    run = trainerjson.run_module(trainerjson.module_argv("longspec.tiny", "build", str(root / "assets"), "--json"))
+    if run.code != 0 or run.result is None:
+        tail = "\n".join([line for line in run.tail if line.strip()][-8:])
+        raise RefusedError(f"building the tiny preset failed (exit {run.code}):\n{tail}")
+    return run.result

@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
 
+from longspec_cli.core import traincmd
+from longspec_cli.core.traincmd import TRAINER_MODULE
 from longspec_cli.errors import RefusedError, UsageError
 
 LAUNCHERS = ("pdsh", "openmpi", "mvapich", "slurm")
-TRAINER_MODULE = "longspec.train"
 DEFAULT_MASTER_PORT = 29500  # DeepSpeed's own default (TORCH_DISTRIBUTED_DEFAULT_PORT)
 INSTALL_HINT = "install the training extra: pip install 'longspec[train]'"
 # Keys that the launcher sets itself; an override of them would silently move the run folder.
@@ -256,9 +257,8 @@ def free_port() -> int:
 
 def trainer_args(conf_dir: Path, stage: str, output_dir: Path, overrides: list[str],
                  module: str = TRAINER_MODULE) -> list[str]:
-    """What follows the launcher flags: the module and its Hydra arguments."""
-    return ["--module", module, "--config-dir", str(Path(conf_dir).resolve()), f"+exp={stage}",
-            f"output_dir={Path(output_dir).resolve()}", *overrides]
+    """What follows the launcher flags (traincmd's builder), with the paths made absolute."""
+    return traincmd.trainer_args(Path(conf_dir).resolve(), stage, Path(output_dir).resolve(), overrides, module)
 
 
 def launcher_flags(p: Placement, r: Resources, *, pick_port: bool = True) -> list[str]:

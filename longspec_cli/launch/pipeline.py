@@ -569,10 +569,9 @@ def eval_argv(manifest: Manifest, spec: StageSpec) -> list[str]:
     """`python -m longspec.evaluate` for a stage, as `longspec eval` runs it (default settings)."""
     from longspec_cli.core import quality
 
-    up = manifest.stage(spec.draft_from) if spec.draft_from else None
-    weights = (_final(up)[0] or runfolder.RunDir(up.output_dir).final_weights) if up else None
+    weights, up_name = quality.baseline_draft(manifest.previous(spec.name), planned=True)
     return quality.eval_command(spec.output_dir, spec.name, baseline_draft=weights,
-                                baseline_stage=up.name if up else None, methods=("chain", "tree"))
+                                baseline_stage=up_name, methods=("chain", "tree"))
 
 
 def measure_stage(manifest: Manifest, spec: StageSpec, out: StageOutcome, req: RunRequest, console: Console) -> None:
