@@ -87,24 +87,31 @@ def parse_jsonl_line(raw: bytes | str) -> dict | None:
     return obj if isinstance(obj, dict) else None
 
 
+def parse_metrics_lines(lines: list[bytes] | list[str]) -> tuple[list[dict], int]:
+    """(records, number of malformed lines) of metrics lines; blank lines are neither. One json.loads
+    for the whole batch when every line is well formed (a long history parses several times faster)."""
+    body = [x for x in lines if x.strip()]
+    if not body:
+        return [], 0
+    joined = (b"[" + b",".join(body) + b"]") if isinstance(body[0], bytes) else ("[" + ",".join(body) + "]")
+    try:
+        objs = json.loads(joined)
+        if len(objs) == len(body):
+            good = [o for o in objs if type(o) is dict]
+            return good, len(body) - len(good)
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: a line nested too deep
+        pass
+    good = [o for o in map(parse_jsonl_line, body) if o is not None]
+    return good, len(body) - len(good)
+
+
 def read_metrics(path: str | os.PathLike) -> MetricsLog:
-    log = MetricsLog()
     try:
         data = Path(path).read_bytes()
     except (FileNotFoundError, IsADirectoryError, PermissionError):
-        return log
-    lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    for raw in lines:
-        if not raw.strip():
-            continue
-        rec = parse_jsonl_line(raw)
-        if rec is None:
-            log.skipped += 1
-        else:
-            log.records.append(rec)
-    return log
+        return MetricsLog()
+    records, skipped = parse_metrics_lines(data.split(b"\n"))
+    return MetricsLog(records, skipped)
 
 
 def append_metrics(path: str | os.PathLike, record: dict) -> None:
@@ -118,73 +125,32 @@ def append_metrics(path: str | os.PathLike, record: dict) -> None:
 
 
 class MetricsTail:
-    """Follow metrics.jsonl by byte offset: each poll() reads only what was appended since the last one.
-
-    Handles a partial last line (kept until its newline arrives), truncation or replacement (size
-    shrinks, inode changes or the first bytes differ -> restart from 0, `reset` is set on that
-    batch), and deletion (`missing`). Used by the Textual monitor; never imports textual.
-    """
-
-    HEAD = 64  # bytes of the file start remembered to notice a rewrite that did not shrink it
+    """Follow metrics.jsonl (core.tail.LineTail): each poll() parses only the complete lines appended
+    since the last one. Truncation or replacement restarts from 0 (`reset` is set on that batch);
+    deletion sets `missing`. Used by the monitor and by `run`'s progress line."""
 
     def __init__(self, path: str | os.PathLike, max_bytes_per_poll: int = 8 << 20):
-        self.path = Path(path)
-        self.max_bytes = max_bytes_per_poll
-        self.offset = 0
-        self.skipped = 0
-        self._ident: tuple[int, int] | None = None
-        self._head = b""
-        self._partial = b""
+        from longspec_cli.core.tail import LineTail
 
-    def _restart(self) -> None:
-        self.offset, self._ident, self._head, self._partial = 0, None, b"", b""
+        self.lines = LineTail(path, read_cap=max_bytes_per_poll)
+        self.skipped = 0
+
+    @property
+    def offset(self) -> int:
+        return self.lines.offset
+
+    @offset.setter
+    def offset(self, value: int) -> None:  # a caller that read the history itself starts here
+        self.lines.offset = value
 
     def poll(self) -> "TailBatch":
         try:
-            f = open(self.path, "rb")
-        except (FileNotFoundError, IsADirectoryError, PermissionError):
-            was_open = self._ident is not None
-            self._restart()
-            return TailBatch([], reset=was_open, missing=True)
-        with f:
-            st = os.fstat(f.fileno())
-            ident = (st.st_dev, st.st_ino)
-            reset = False
-            if st.st_size < self.offset or (self._ident is not None and (
-                    ident != self._ident or not self._head_same(f))):
-                self._restart()
-                reset = True
-            if self._ident is None:
-                self._ident = ident
-                if self.offset > 0 and not self._head:  # a caller started us mid-file
-                    f.seek(0)
-                    self._head = f.read(min(self.HEAD, self.offset))
-            if st.st_size <= self.offset:
-                return TailBatch([], reset=reset)
-            f.seek(self.offset)
-            chunk = f.read(min(st.st_size - self.offset, self.max_bytes))
-            if len(self._head) < self.HEAD and self.offset < self.HEAD:
-                self._head = (self._head + chunk)[: self.HEAD]
-        self.offset += len(chunk)
-        data = self._partial + chunk
-        lines = data.split(b"\n")
-        self._partial = lines.pop()  # b"" when the chunk ended on a newline
-        out = []
-        for raw in lines:
-            if not raw.strip():
-                continue
-            rec = parse_jsonl_line(raw)
-            if rec is None:
-                self.skipped += 1
-            else:
-                out.append(rec)
-        return TailBatch(out, reset=reset)
-
-    def _head_same(self, f) -> bool:
-        if not self._head:
-            return True
-        f.seek(0)
-        return f.read(len(self._head)) == self._head
+            read = self.lines.poll()
+        except (IsADirectoryError, PermissionError):
+            return TailBatch([], missing=True)
+        records, bad = parse_metrics_lines(read.lines)
+        self.skipped += bad
+        return TailBatch(records, reset=read.reset is not None, missing=read.missing)
 
 
 @dataclass

@@ -32,6 +32,7 @@ from typing import Callable, TextIO
 
 from longspec_cli.core import liveness, runfolder
 from longspec_cli.core.atomic import atomic_write_json
+from longspec_cli.core.tail import LineTail
 from longspec_cli.errors import RefusedError
 from longspec_cli.launch.argv import INSTALL_HINT, LaunchCommand
 
@@ -361,14 +362,14 @@ def _follow(proc: subprocess.Popen, log_path: Path, offset: int, output_dir: Pat
             echo: Echo, intr: _Interrupts, *, grace_int: float, grace_term: float) -> RunResult:
     progress = Progress(stage)
     tail = runfolder.MetricsTail(output_dir / runfolder.METRICS)
-    reader = _LogFollower(log_path, offset)
+    read_log = _log_reader(log_path, offset)
     interrupted = False
     saving = False  # the ranks were asked to save and exit; the next Ctrl-C stops at once
     shown = ""
 
     def pump() -> None:
         nonlocal shown
-        echo.lines(reader.read())
+        echo.lines(read_log())
         changed = False
         for rec in tail.poll().records:
             changed |= progress.update(rec)
@@ -412,7 +413,7 @@ def _follow(proc: subprocess.Popen, log_path: Path, offset: int, output_dir: Pat
         terminate_group(proc.pid, grace_int=grace_int if not interrupted else 0.5, grace_term=grace_term,
                         skip=intr.new)
     pump()
-    echo.lines(reader.read(final=True))
+    echo.lines(read_log(final=True))
     if progress.step is not None:
         echo.progress(progress.line(), final=True)
     else:
@@ -421,32 +422,24 @@ def _follow(proc: subprocess.Popen, log_path: Path, offset: int, output_dir: Pat
     return RunResult(returncode=proc.returncode, interrupted=interrupted)
 
 
-class _LogFollower:
-    """New complete lines of train.log since `offset` (a partial line waits for its newline)."""
+def _log_reader(path: Path, offset: int) -> Callable[..., str]:
+    """read(final=False): the complete lines of train.log written since the last read (from
+    `offset`); final=True also returns a last line that has no newline."""
+    tail = LineTail(path)
+    tail.offset = offset
 
-    def __init__(self, path: Path, offset: int):
-        self.path = path
-        self.offset = offset
-        self._partial = b""
+    def read(final: bool = False) -> str:
+        lines = []
+        while True:
+            got = tail.poll()
+            lines += got.lines
+            if not (final and got.more):
+                break
+        text = "".join(line + "\n" for line in lines)
+        rest = tail.rest() if final else ""
+        return text + (rest + "\n" if rest and not rest.endswith("\n") else rest)
 
-    def read(self, final: bool = False) -> str:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                chunk = f.read(1 << 20)
-        except OSError:
-            return ""
-        self.offset += len(chunk)
-        data = self._partial + chunk
-        if final:
-            self._partial = b""
-            text = data
-            if text and not text.endswith(b"\n"):
-                text += b"\n"
-        else:
-            cut = data.rfind(b"\n") + 1
-            text, self._partial = data[:cut], data[cut:]
-        return text.decode("utf-8", "replace")
+    return read
 
 
 def log_tail(path: Path, offset: int = 0, lines: int = 40) -> list[str]:

@@ -13,7 +13,6 @@ return values that that thread merges (merge_history, set_status).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections import deque
@@ -25,7 +24,7 @@ from longspec_cli.core import liveness, runfolder
 from longspec_cli.core.manifest import Manifest, StageSpec, load_manifest
 from longspec_cli.tui import alerts as A
 from longspec_cli.tui.series import ChartData, Series, finite_or_nan
-from longspec_cli.tui.tail import LineTail, read_range_chunks
+from longspec_cli.core.tail import LineTail, read_range_chunks
 from longspec_cli.tui.views import ProjectView, StageView
 
 TAIL_RECORDS = 2000  # step records read at open, before history arrives
@@ -42,21 +41,6 @@ class History:
     series: Series
     skipped: int = 0
     total_steps: int | None = None
-
-
-def parse_lines(lines: list[bytes]) -> tuple[list[dict], int]:
-    """(JSON objects, number of malformed lines). One json.loads for the whole batch when every
-    line is well formed (a long history parses several times faster); line by line otherwise."""
-    body = [x for x in lines if x.strip()]
-    try:
-        objs = json.loads(b"[" + b",".join(body) + b"]")
-        if len(objs) == len(body):
-            good = [o for o in objs if type(o) is dict]
-            return good, len(body) - len(good)
-    except (ValueError, RecursionError):  # RecursionError: a line nested too deep; go line by line
-        pass
-    good = [o for o in map(runfolder.parse_jsonl_line, body) if o is not None]
-    return good, len(body) - len(good)
 
 
 def _stat_sig(path: Path) -> tuple | None:
@@ -136,7 +120,7 @@ class StageFollow:
         hist = History(stage=-1, generation=gen, series=Series())
         try:
             for lines in read_range_chunks(self.run.metrics_path, end):
-                records, bad = parse_lines(lines)
+                records, bad = runfolder.parse_metrics_lines(lines)
                 hist.skipped += bad
                 rows = []
                 for rec in records:

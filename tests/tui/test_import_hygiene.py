@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 PURE_TUI = ("longspec_cli.tui", "longspec_cli.tui.alerts", "longspec_cli.tui.follow", "longspec_cli.tui.series",
             "longspec_cli.tui.views",
-            "longspec_cli.tui.tail", "longspec_cli.tui.sysinfo", "longspec_cli.tui.wizard_checks")
+            "longspec_cli.tui.sysinfo", "longspec_cli.tui.wizard_checks")
 
 
 def _modules_after(code: str) -> set[str]:

@@ -1,4 +1,5 @@
-"""Follow a growing text file by byte offset (pure: no textual).
+"""Follow a growing text file by byte offset: the one file tailer (train.log in the monitor and in
+`run`'s echo, metrics.jsonl through runfolder.MetricsTail). Pure: standard library only.
 
 Made for run folders on a shared file system written by another node: every poll is one
 `os.stat`; the file is opened only when its size changed (NFS close-to-open consistency then
@@ -23,6 +24,7 @@ class TailRead:
     lines: list[str] = field(default_factory=list)
     reset: str | None = None  # None | "truncated" | "replaced" | "deleted"
     more: bool = False  # READ_CAP reached: poll again at once
+    missing: bool = False  # the file does not exist (now)
 
 
 class LineTail:
@@ -74,6 +76,7 @@ class LineTail:
             if self._ident is not None:
                 out.reset = "deleted"
             self._forget()
+            out.missing = True
             return out
         ident = (st.st_dev, st.st_ino)
         if self._ident is not None and ident != self._ident:
@@ -96,6 +99,7 @@ class LineTail:
         except FileNotFoundError:
             out.reset = out.reset or ("deleted" if self._ident else None)
             self._forget()
+            out.missing = True
             return out
         self._ident = ident
         out.more = self.offset + len(block) < st.st_size
@@ -107,6 +111,17 @@ class LineTail:
         if end:
             out.lines = [x.decode("utf-8", "replace") for x in block[:end].split(b"\n")[:-1]]
         return out
+
+    def rest(self) -> str:
+        """What follows the last complete line (a last line without its newline); read once."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                block = f.read()
+        except FileNotFoundError:
+            return ""
+        self.offset += len(block)
+        return block.decode("utf-8", "replace")
 
     def _forget(self) -> None:
         self._ident, self._size, self.offset, self._head = None, -1, 0, b""
