@@ -391,12 +391,12 @@ def pick_stage(manifest: Manifest, to: str | None) -> tuple[StageSpec, StageSpec
         if not spec.draft_from:
             continue
         prev = manifest.stage(spec.draft_from)
-        if not _looks_done(prev):
+        weights = runfolder.RunDir(prev.output_dir).finished_draft()
+        if weights is None:
             continue
         finished = True
         current, _ = composed_draft(spec.config) if spec.config.is_file() else (None, None)
-        if not _points_at(current, runfolder.RunDir(prev.output_dir).weights_for(
-                runfolder.RunDir(prev.output_dir).stage_complete()), manifest.root):
+        if not _points_at(current, weights, manifest.root):
             return spec, prev
     if not finished:
         first = next((s.draft_from for s in manifest.stages if s.draft_from), None)
@@ -404,13 +404,6 @@ def pick_stage(manifest: Manifest, to: str | None) -> tuple[StageSpec, StageSpec
                            + (f" ({first} is not complete)" if first else ""),
                            hint="finish a stage first (`longspec run`); `longspec status` shows where each stands")
     return None
-
-
-def _looks_done(spec: StageSpec) -> bool:
-    rd = runfolder.RunDir(spec.output_dir)
-    complete = rd.stage_complete()
-    w = rd.weights_for(complete)
-    return complete is not None and w.is_file() and runfolder.cached_sha256(w) == complete.get("sha256")
 
 
 def _points_at(current: Any, weights: Path, root: Path) -> bool:

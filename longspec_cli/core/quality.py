@@ -103,16 +103,11 @@ def baseline_draft(upstream, *, planned: bool = False) -> tuple[Path | None, str
     else (None, None). `upstream` is the draft_from StageSpec, or None."""
     if upstream is None:
         return None, None
-    if planned and runfolder.RunDir(upstream.output_dir).stage_complete() is None:
-        return runfolder.RunDir(upstream.output_dir).final_weights, upstream.name
     rd = runfolder.RunDir(upstream.output_dir)
-    complete = rd.stage_complete()
-    weights = rd.weights_for(complete) if complete is not None else None
-    try:
-        ok = weights is not None and weights.is_file() and runfolder.cached_sha256(weights) == complete["sha256"]
-    except OSError:
-        ok = False
-    return (weights, upstream.name) if ok else (None, None)
+    if planned and rd.stage_complete() is None:
+        return rd.final_weights, upstream.name
+    weights = rd.finished_draft()
+    return (weights, upstream.name) if weights is not None else (None, None)
 
 
 def eval_command(output_dir: str | os.PathLike, stage: str, *, gamma: int = 4, max_new_tokens: int = 64,

@@ -276,6 +276,18 @@ class RunDir:
             return p if p.is_absolute() else self.path / p
         return self.final_weights
 
+    def finished_draft(self) -> Path | None:
+        """The final draft of a finished stage: stage_complete.json names it and its sha256 (cached)
+        still matches; None otherwise."""
+        complete = self.stage_complete()
+        if complete is None:
+            return None
+        weights = self.weights_for(complete)
+        try:
+            return weights if weights.is_file() and cached_sha256(weights) == complete["sha256"] else None
+        except OSError:
+            return None
+
     def checkpoints(self) -> list[Checkpoint]:
         """Complete checkpoints (checkpoint.json present and a JSON object), sorted by step."""
         out = []
