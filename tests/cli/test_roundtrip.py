@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from longspec_cli.app import app
-from longspec_cli.core.chain import render_scalar, set_root_scalar
+from longspec_cli.core.yamledit import render_scalar, set_root_scalar
 from longspec_cli.core.yamlio import parse, to_plain
 
 from .conftest import no_traceback, panel_text
