@@ -184,25 +184,36 @@ def _running(info: dict, st: StageStatus) -> bool:
     return alive is not False
 
 
+def config_current(spec: StageSpec, complete: dict, overrides: list[str]) -> bool | None:
+    """Was the finished stage trained on its config file as it is now, with these overrides?
+    None when that cannot be told (the config file is missing or unreadable)."""
+    try:
+        return runfolder.config_fingerprint(spec.config, overrides) == complete.get("config_sha256")
+    except OSError:
+        return None
+
+
+def draft_current(complete: dict, upstream: StageStatus | None) -> bool:
+    """Was the finished stage trained from its upstream's current final draft (upstream done)?"""
+    return upstream is None or (upstream.state == "done" and complete.get("draft_sha256") == upstream.sha256)
+
+
 def _check_stale(st: StageStatus, spec: StageSpec, complete: dict, info: dict | None,
                  upstream: StageStatus | None) -> None:
     overrides = (info or {}).get("overrides") or []
     if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
         overrides = []
-    if not spec.config.is_file():
+    same_config = config_current(spec, complete, overrides)
+    if same_config is None:
         st.reasons.append(f"config {spec.config} is missing; cannot check whether it changed")
-    elif runfolder.config_fingerprint(spec.config, overrides) != complete.get("config_sha256"):
+    elif not same_config:
         st.state = "stale"
         st.reasons.append(f"config changed since the run ({spec.config.name})")
-    if upstream is not None:
-        if upstream.state != "done":
-            st.state = "stale"
-            st.reasons.append(f"upstream stage {upstream.name} is {upstream.state}")
-        elif complete.get("draft_sha256") != upstream.sha256:
-            st.state = "stale"
-            st.reasons.append(f"trained from a different draft than {upstream.name}'s current one"
-                              if complete.get("draft_sha256") else
-                              f"trained without {upstream.name}'s draft")
+    if not draft_current(complete, upstream):
+        st.state = "stale"
+        st.reasons.append(f"upstream stage {upstream.name} is {upstream.state}" if upstream.state != "done"
+                          else f"trained from a different draft than {upstream.name}'s current one"
+                          if complete.get("draft_sha256") else f"trained without {upstream.name}'s draft")
 
 
 def _next_action(st: StageStatus, rd: runfolder.RunDir, upstream: StageStatus | None) -> None:

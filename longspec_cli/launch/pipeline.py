@@ -146,13 +146,6 @@ def check_overrides(spec: StageSpec, overrides: list[str]) -> None:
                               "DIR STAGE` lists them); `+key=value` adds a key")
 
 
-def fingerprint_now(spec: StageSpec, overrides: list[str]) -> str | None:
-    try:
-        return runfolder.config_fingerprint(spec.config, overrides)
-    except OSError:
-        return None
-
-
 def _move_aside(path: Path) -> Path | None:
     if not path.exists():
         return None
@@ -170,7 +163,7 @@ def _move_aside(path: Path) -> Path | None:
 
 def plan_stages(manifest: Manifest, req: RunRequest) -> list[StagePlan]:
     """What each stage in scope will do. Raises RefusedError when a stage is running."""
-    from longspec_cli.core.status import project_status
+    from longspec_cli.core.status import config_current, draft_current, project_status
 
     statuses = {s.name: s for s in project_status(manifest)}
     rerun: set[str] = set()  # stages that will produce a new draft in this invocation
@@ -181,10 +174,10 @@ def plan_stages(manifest: Manifest, req: RunRequest) -> list[StagePlan]:
             plans.append(StagePlan(spec, "running", "; ".join(st.reasons)))
             continue
         complete = runfolder.RunDir(spec.output_dir).stage_complete()
-        same_config = complete is not None and fingerprint_now(spec, req.overrides) == complete.get("config_sha256")
+        same_config = complete is not None and config_current(spec, complete, req.overrides) is True
         up = statuses.get(spec.draft_from) if spec.draft_from else None
         same_draft = up is None or (spec.draft_from not in rerun and complete is not None
-                                    and complete.get("draft_sha256") == up.sha256 and up.state == "done")
+                                    and draft_current(complete, up))
         if st.state in ("done", "stale") and same_config and same_draft:
             plans.append(StagePlan(spec, "skip", "done, config unchanged"))
             continue
