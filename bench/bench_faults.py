@@ -29,7 +29,7 @@ from longspec_cli.core import runfolder  # noqa: E402
 from longspec_cli.core.manifest import load_manifest  # noqa: E402
 from longspec_cli.launch import argv as A  # noqa: E402
 from longspec_cli.launch import disk as D  # noqa: E402
-from longspec_cli.launch import pipeline  # noqa: E402
+from longspec_cli.launch import preflight  # noqa: E402
 from longspec_cli.core.liveness import group_members  # noqa: E402
 
 CLI = [sys.executable, "-m", "longspec_cli"]
@@ -68,7 +68,7 @@ def one(precision: str, at_step: int, tmp: Path) -> dict:
     on_disk = sum(p.stat().st_size for p in ckpt.path.rglob("*") if p.is_file())
     manifest = load_manifest(proj)
     res = A.Resources(cpu=True, ranks_per_node=1, nodes=1)
-    shape = pipeline.stage_shape(manifest, manifest.stage("base"), overrides, res)
+    shape = preflight.stage_shape(manifest, manifest.stage("base"), overrides, res)
     estimate = D.checkpoint_bytes(shape)
     return {"precision": precision, "step": ckpt.step, "sigterm_to_event_s": round(t_event, 2),
             "sigterm_to_exit_s": round(t_gone, 2), "exit_code": code, "checkpoint_bytes": on_disk,

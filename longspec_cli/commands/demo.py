@@ -37,11 +37,11 @@ def demo(
         import time
 
         from longspec_cli.launch import argv as A
-        from longspec_cli.launch import pipeline
+        from longspec_cli.launch import execute, plan
 
         t0 = time.monotonic()
         root = project_dir.resolve()
-        console = pipeline.Console()
+        console = plan.Console()
         if not (root / "longspec.yaml").is_file():
             from longspec_cli.core.scaffold import InitAnswers, build_local_assets, plan_project, write_project
 
@@ -58,9 +58,9 @@ def demo(
 
             raise UsageError("--max-steps must be at least 1")
         overrides = [f"max_steps={max_steps}", f"save_steps={max_steps}"] if max_steps else []
-        req = pipeline.RunRequest(project=root, all=True, placement=A.Placement(gpus=gpus), quiet=quiet,
+        req = plan.RunRequest(project=root, all=True, placement=A.Placement(gpus=gpus), quiet=quiet,
                                   overrides=overrides, evaluate=evaluate)
-        pipeline.run_request(req, console)
+        execute.run_request(req, console)
         console.say(f"\ndemo finished in {time.monotonic() - t0:.1f} s; project: {root}")
 
     run_cli(body)

@@ -81,19 +81,20 @@ def run(
     def body() -> None:
         from longspec_cli.errors import UsageError
         from longspec_cli.launch import argv as A
-        from longspec_cli.launch import pipeline
+        from longspec_cli.launch import execute, plan
+        from longspec_cli.launch.gate import check_gate
 
         stage, overrides = split_args(list(args or []))
         if submit and not slurm:
             raise UsageError("--submit goes with --slurm")
-        pipeline.check_gate(gate)
+        check_gate(gate)
         if slurm and (gate is not None or evaluate):
             raise UsageError("--gate and --eval do not go with --slurm (the batch script only trains)",
                              hint="after the job: `longspec eval DIR`, or `longspec run DIR --all --gate P` "
                                   "(finished stages are skipped and only measured)")
         placement = A.Placement(gpus=gpus, include=include, hostfile=hostfile, num_nodes=num_nodes,
                                 master_addr=master_addr, master_port=master_port, launcher=launcher)
-        req = pipeline.RunRequest(project=project_dir, stage=stage, all=all_, dry_run=dry_run, force=force,
+        req = plan.RunRequest(project=project_dir, stage=stage, all=all_, dry_run=dry_run, force=force,
                                   overrides=overrides, placement=placement, gpu_mem_gib=gpu_mem, quiet=quiet,
                                   gate=gate, evaluate=evaluate)
         if slurm:
@@ -101,7 +102,7 @@ def run(
 
             write_slurm(req, submit=submit)
             return
-        pipeline.run_request(req)
+        execute.run_request(req)
 
     run_cli(body)
 

@@ -5,7 +5,10 @@ Nothing here imports torch, deepspeed, transformers or hydra: the launcher is a 
 
   argv.py      the DeepSpeed launcher argv (GPUs, nodes, CPU fallback) and override checks
   process.py   process group, signals, run.json, train.log tee, progress line, stop
-  pipeline.py  one stage or `--all`: preflight, skip/stale, chaining, resume
+  plan.py      what each stage will do (skip/start/resume/rerun) and the run's types
+  preflight.py overrides, validation, memory and disk estimates before anything starts
+  execute.py   one stage or `--all`: the launches, chaining, resume (`run_request`)
+  gate.py      --eval/--gate: measure a finished stage, the quality gate
   slurm.py     the sbatch script (one DeepSpeed per-node launcher per SLURM task)
   memory.py    per-GPU memory estimate of a stage (pure arithmetic)
 """

@@ -314,7 +314,7 @@ def build_launch(p: Placement, r: Resources, conf_dir: Path, stage: str, output_
 def check_overrides(overrides: list[str]) -> list[str]:
     """Refuse (exit 2) what Hydra's own override parser rejects, and the keys longspec owns, before
     anything starts; returns them unchanged. Whether a key exists and its value fits is decided by
-    composing the stage with them (launch.pipeline's preflight)."""
+    composing the stage with them (launch/preflight.py)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 

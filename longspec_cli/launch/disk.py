@@ -96,7 +96,7 @@ def project_disk_problems(path) -> list:
     from longspec_cli.core.status import project_status
     from longspec_cli.errors import LongspecError
     from longspec_cli.launch import argv as A
-    from longspec_cli.launch import pipeline
+    from longspec_cli.launch import plan, preflight
 
     path = Path(path)
     if not (path / "longspec.yaml").is_file() and path.name != "longspec.yaml":
@@ -106,10 +106,10 @@ def project_disk_problems(path) -> list:
         states = {s.name: s.state for s in project_status(manifest)}
     except LongspecError:
         return []
-    todo = [pipeline.StagePlan(spec, "start") for spec in manifest.stages if states.get(spec.name) != "done"]
+    todo = [plan.StagePlan(spec, "start") for spec in manifest.stages if states.get(spec.name) != "done"]
     res = A.Resources(cpu=True, ranks_per_node=max(1, manifest.launch.gpus), nodes=max(1, manifest.launch.nodes))
     out = []
-    for p, _, warning in pipeline.disk_reports(manifest, todo, [], res):
+    for p, _, warning in preflight.disk_reports(manifest, todo, [], res):
         if warning:
             out.append(Problem("warning", str(p.spec.config), None, "output_dir", f"stage {p.spec.name}: {warning}",
                                "`longspec run` refuses to start it without --force"))

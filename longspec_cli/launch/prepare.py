@@ -18,9 +18,9 @@ from longspec_cli.core.manifest import Manifest, StageSpec
 def stage_conf(spec: StageSpec, overrides: list[str] = ()) -> dict[str, Any] | None:
     """The stage's composed config with the command-line overrides applied; None if unreadable."""
     from longspec_cli.core.hydracompose import stage_overrides
-    from longspec_cli.launch import pipeline
+    from longspec_cli.launch import plan
 
-    c = pipeline.composed(spec.config, tuple(stage_overrides(spec.output_dir, list(overrides))))
+    c = plan.composed(spec.config, tuple(stage_overrides(spec.output_dir, list(overrides))))
     return copy.deepcopy(c.data) if c.ok else None
 
 
@@ -37,7 +37,7 @@ def stage_state(manifest: Manifest, spec: StageSpec, overrides: list[str] = (), 
 
 
 def prepare_argv(spec: StageSpec, overrides: list[str], world: int, workers: int | None) -> list[str]:
-    from longspec_cli.launch.pipeline import exp_location
+    from longspec_cli.launch.plan import exp_location
 
     conf, exp = exp_location(spec)
     argv = [sys.executable, "-m", "longspec.prepare", "--config-dir", str(conf), f"+exp={exp}",
@@ -48,7 +48,7 @@ def prepare_argv(spec: StageSpec, overrides: list[str], world: int, workers: int
 def run_prepare(spec: StageSpec, overrides: list[str], world: int, workers: int | None = None,
                 show_progress: bool = True) -> dict:
     """Tokenize (or find) the stage's cache in a child process; its JSON result."""
-    from longspec_cli.launch.jsonproc import run_trainer_json
+    from longspec_cli.core.trainerjson import run_trainer_json
 
     return run_trainer_json(prepare_argv(spec, list(overrides), world, workers), show_progress=show_progress)
 

@@ -125,15 +125,15 @@ def write_slurm(req, *, submit: bool, out=None) -> Path:
 
     from longspec_cli.errors import RefusedError, UsageError
     from longspec_cli.launch import argv as A
-    from longspec_cli.launch import pipeline
+    from longspec_cli.launch import plan, preflight
 
     out = out or sys.stdout
-    console = pipeline.Console(out)
+    console = plan.Console(out)
     from longspec_cli.core.manifest import load_manifest
 
     manifest = load_manifest(req.project)
     first = manifest.stage(req.stage) if req.stage else manifest.stages[0]
-    pipeline.check_overrides(first, req.overrides)
+    preflight.check_overrides(first, req.overrides)
     p = req.placement
     if p.hostfile is not None or p.include:
         raise UsageError("--slurm takes its hosts from the allocation; drop --hostfile/--include",
@@ -142,13 +142,13 @@ def write_slurm(req, *, submit: bool, out=None) -> Path:
     gpus = p.gpus or manifest.launch.gpus
     if nodes < 1 or gpus < 1:
         raise UsageError("--num-nodes and --gpus must be at least 1")
-    plans = [pl for pl in pipeline.plan_stages(manifest, req) if pl.action != "skip"]
+    plans = [pl for pl in plan.plan_stages(manifest, req) if pl.action != "skip"]
     if not plans:
         console.say("nothing to do: every stage is done with an unchanged config")
         return manifest.root / "longspec.sbatch"
     stages = []
     for i, pl in enumerate(plans):
-        conf, exp = pipeline.exp_location(pl.spec)
+        conf, exp = plan.exp_location(pl.spec)
         nxt = next((q.spec.name for q in plans[i + 1:] if q.spec.draft_from == pl.spec.name), None)
         stages.append(SlurmStage(pl.spec.name, pl.spec.output_dir,
                                  A.trainer_args(conf, exp, pl.spec.output_dir, req.overrides), nxt))

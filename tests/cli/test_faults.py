@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from longspec_cli.core import liveness, runfolder
-from longspec_cli.launch.pipeline import ops_build_dir
+from longspec_cli.launch.execute import ops_build_dir
 from tests.cli.test_run import LONGSPEC, ROOT, cli, cpu_env, flat, last_step, wait_for
 
 STEPS = ["max_steps=200", "save_steps=1000"]  # no periodic save: every checkpoint here is a stop's

@@ -24,7 +24,7 @@ STAGES = ("base", "long", "longcot")
 
 
 def summary_rows(stdout: str) -> dict[str, list[str]]:
-    """The summary table's rows by stage (columns as in pipeline.SUMMARY_HEADER; results may be two words)."""
+    """The summary table's rows by stage (columns as in execute.SUMMARY_HEADER; results may be two words)."""
     rows = {}
     for line in stdout.splitlines():
         words = line.split()

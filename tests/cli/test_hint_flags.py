@@ -30,7 +30,8 @@ MESSAGE_CALL = re.compile(r"(Error|Failed|Problem|problem)$")
 FOREIGN = {"--local-dir": "huggingface-cli", "--config-dir": "Hydra"}
 # Which verbs can print a module's messages (commands/<verb>.py print their own).
 MODULE_VERBS = {
-    "launch/pipeline.py": ("run", "demo"),  # demo runs the same pipeline (see NOT_FROM_DEMO)
+    # demo runs the same pipeline (see NOT_FROM_DEMO)
+    **{f"launch/{m}.py": ("run", "demo") for m in ("plan", "preflight", "execute", "gate")},
     "launch/": ("run",),
     "core/validate.py": ("validate",),
     "core/checks_": ("validate", "run"),

@@ -394,8 +394,8 @@ def test_slurm_script_written_by_the_cli(tmp_path):
 
 def test_the_cli_never_imports_torch_or_deepspeed(tmp_path):
     proj = scaffold(tmp_path)
-    code = ("import sys\nfrom longspec_cli.launch import pipeline, argv\n"
-            f"pipeline.run_request(pipeline.RunRequest(project={str(proj)!r}, all=True, dry_run=True))\n"
+    code = ("import sys\nfrom longspec_cli.launch import execute, plan, argv\n"
+            f"execute.run_request(plan.RunRequest(project={str(proj)!r}, all=True, dry_run=True))\n"
             "bad = sorted(m for m in ('torch', 'deepspeed', 'transformers', 'textual')"
             " if m in sys.modules)\nprint('IMPORTED', bad)\n")
     res = subprocess.run([PY, "-c", code], capture_output=True, text=True, cwd=ROOT, env=cpu_env())
@@ -421,10 +421,10 @@ def finish(spec, overrides=(), draft_sha=None, payload=b"w") -> str:
 
 def actions(proj: Path, **kw) -> dict[str, str]:
     from longspec_cli.core.manifest import load_manifest
-    from longspec_cli.launch import pipeline
+    from longspec_cli.launch import plan
 
     m = load_manifest(proj)
-    return {p.spec.name: p.action for p in pipeline.plan_stages(m, pipeline.RunRequest(project=proj, all=True, **kw))}
+    return {p.spec.name: p.action for p in plan.plan_stages(m, plan.RunRequest(project=proj, all=True, **kw))}
 
 
 def test_plan_skips_done_stages_and_reruns_everything_downstream_of_a_change(tmp_path):
@@ -453,7 +453,7 @@ def test_plan_skips_done_stages_and_reruns_everything_downstream_of_a_change(tmp
 
 def test_plan_resumes_an_interrupted_stage_and_refuses_a_running_one(tmp_path):
     from longspec_cli.core.manifest import load_manifest
-    from longspec_cli.launch import pipeline
+    from longspec_cli.launch import plan
 
     proj = scaffold(tmp_path)
     base = load_manifest(proj).stages[0]
@@ -465,7 +465,7 @@ def test_plan_resumes_an_interrupted_stage_and_refuses_a_running_one(tmp_path):
     (base.output_dir / "run.json").write_text(json.dumps({
         "pid": me, "pgid": me, "host": socket.gethostname(), "proc_start": liveness.proc_start_time(me)}))
     with pytest.raises(RefusedError, match="stage base is running"):
-        pipeline.plan_stages(load_manifest(proj), pipeline.RunRequest(project=proj, all=True))
+        plan.plan_stages(load_manifest(proj), plan.RunRequest(project=proj, all=True))
 
 
 # ------------------------------------------------------------------ slow tier: the real trainer
@@ -524,13 +524,13 @@ def test_a_crashing_stage_stops_all_with_the_log_tail(tmp_path):
 
 @pytest.mark.slow
 def test_two_nodes_on_loopback_finish_a_stage_together(tmp_path):
-    from longspec_cli.launch import pipeline
+    from longspec_cli.launch import plan
     from longspec_cli.launch import slurm as S
     from longspec_cli.core.manifest import load_manifest
 
     proj = tiny_project(tmp_path)
     spec = load_manifest(proj).stage("base")
-    conf, exp = pipeline.exp_location(spec)
+    conf, exp = plan.exp_location(spec)
     trainer = A.trainer_args(conf, exp, spec.output_dir, ["max_steps=3", "save_steps=3", "global_batch_size=16"])
     world, port = {"node0": [0], "node1": [0]}, A.free_port()
     env = {**cpu_env(), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}

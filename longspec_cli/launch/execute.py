@@ -1,0 +1,326 @@
+"""`longspec run`: the whole run (plan.py, preflight.py, then the launches, gate.py between them).
+
+    execute   per stage: chain its draft from the upstream (core.chain, as `next-stage`), validate
+              it, launch (process.py), require stage_complete.json; stop at the first failure
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from longspec_cli.core import runfolder
+from longspec_cli.core.manifest import Manifest, StageSpec
+from longspec_cli.errors import INTERRUPTED, PREEMPTED, LongspecError, RefusedError, RunFailed
+from longspec_cli.launch import argv as A
+from longspec_cli.launch.gate import GATE_FAILED, check_gate, draft_measured, eval_argv, eval_of, measure_stage
+from longspec_cli.launch.plan import (Console, RunRequest, StageOutcome, StagePlan, as_float, exp_location,
+                                      file_state, plan_stages)
+from longspec_cli.launch.preflight import (check_overrides, disk_reports, memory_report, report_problems,
+                                           resolve_placement, validation_problems, world_label)
+
+
+LOW_SPACE_BYTES = 64 * 1024 ** 2  # a failed stage with less free than this is reported as a full disk
+
+
+SUMMARY_HEADER = ["stage", "action", "result", "steps", "first loss", "last loss", "tokens/s", "wall s",
+                  "tau", "speed-up", "tree tau", "sha256"]
+
+
+def prepare(req: RunRequest, console: Console) -> tuple[Manifest, list[StagePlan], A.Placement, A.Resources]:
+    from longspec_cli.core.manifest import load_manifest
+
+    check_gate(req.gate)
+    manifest = load_manifest(req.project)
+    first = manifest.stage(req.stage) if req.stage else manifest.stages[0]
+    check_overrides(first, req.overrides)
+    placement = resolve_placement(manifest, req.placement)
+    res = A.resolve_resources(placement, A.detect_gpus(), manifest.launch.gpus, force=req.force)
+    plans = plan_stages(manifest, req)
+    return manifest, plans, placement, res
+
+
+def run_request(req: RunRequest, console: Console | None = None) -> list[StageOutcome]:
+    """The whole `longspec run`; returns the outcomes (raises for refusals and failures)."""
+    console = console or Console()
+    manifest, plans, placement, res = prepare(req, console)
+    todo = [p for p in plans if p.action != "skip"]
+    where = "CPU (DS_ACCELERATOR=cpu)" if res.cpu else f"{len(res.gpus)} GPU(s)"
+    console.say(f"project {manifest.name}: {len(todo)} stage(s) to run on {where}, world size {res.world_size}")
+    for p in plans:
+        console.say(f"  {p.spec.name:<10} {p.action:<7} {p.reason}")
+    if not todo:
+        if plans and req.measuring and not req.dry_run:  # nothing to train: measure (and gate) what is there
+            outcomes = execute(manifest, plans, placement, res, req, console)
+        elif plans:
+            print_summary([_outcome(p.spec, "skip", "skipped") for p in plans], console)
+        if req.stage and not req.all:
+            console.say(f"nothing to do: stage {req.stage} is done with this config and input draft "
+                        "(pass --force to train it again)")
+        else:
+            console.say("nothing to do: " + ("every stage is done with an unchanged config" if plans
+                                              else "no stage in scope"))
+        return [_outcome(p.spec, "skip", "skipped") for p in plans]
+
+    problems = validation_problems(manifest, plans, res.world_size, overrides=req.overrides,
+                                   world_from=world_label(res))
+    req.checked = {str(p.spec.config): file_state(p.spec.config) for p in todo}
+    errors = report_problems(problems, console)
+    if not req.dry_run:
+        A.deepspeed_command()  # DeepSpeed and torch importable, else one sentence on the extra
+    memory_warnings = []
+    disk = {id(p): (line, warning) for p, line, warning in disk_reports(manifest, todo, req.overrides, res)}
+    for p in todo:
+        lines, warning = memory_report(manifest, p.spec, req.overrides, res, req.gpu_mem_gib)
+        if req.dry_run:
+            conf, exp = exp_location(p.spec)
+            cmd = with_ops_dir(A.build_launch(placement, res, conf, exp, p.spec.output_dir, req.overrides,
+                                              launcher=_dry_launcher()))
+            console.say(f"\n# stage {p.spec.name} ({p.action}{': ' + p.reason if p.reason else ''})"
+                        + (f"; its draft is chained from {p.spec.draft_from} first" if p.spec.draft_from
+                           and p.spec.draft_from in {q.spec.name for q in todo} else ""))
+            console.say(cmd.shell())
+            if req.measuring:
+                console.say("# then: " + " ".join(eval_argv(manifest, p.spec))
+                            + (f" ; gate: stop unless tau >= {100 - req.gate:g}% of the upstream draft's"
+                               if req.gate is not None else ""))
+            for line in lines:
+                console.say("# " + line)
+            console.say("# " + disk[id(p)][0])
+        if warning:
+            memory_warnings.append(f"{p.spec.name}: {warning}")
+    for w in memory_warnings:
+        console.warn(w)
+    disk_warnings = [f"{p.spec.name}: {disk[id(p)][1]}" for p in todo if disk[id(p)][1]]
+    for w in disk_warnings:
+        console.warn(w)
+    if disk_warnings and not req.force and not req.dry_run:
+        raise RefusedError(f"not enough free disk space for {len(disk_warnings)} stage(s); nothing was started",
+                           hint="free some space, lower save_total_limit or move output_dir; "
+                                f"`longspec run {manifest.root} --force` launches anyway")
+    if errors and not req.force:
+        # `demo` runs this too and has no --force: the hints name `run`'s.
+        raise RefusedError(f"{errors} validation error(s) in the stage(s) to run; nothing was started",
+                           hint=f"fix them (`longspec validate` lists them), or launch anyway with "
+                                f"`longspec run {manifest.root} --force`")
+    if req.dry_run:
+        return [_outcome(p.spec, p.action, "not run") for p in plans]
+    return execute(manifest, plans, placement, res, req, console)
+
+
+def _dry_launcher() -> list[str]:
+    try:
+        return A.deepspeed_command()
+    except LongspecError:
+        return ["deepspeed"]
+
+
+def execute(manifest: Manifest, plans: list[StagePlan], placement: A.Placement, res: A.Resources,
+            req: RunRequest, console: Console) -> list[StageOutcome]:
+    from longspec_cli.core.atomic import locked
+
+    outcomes: list[StageOutcome] = []
+    with locked(manifest.root / ".longspec-run", timeout=0.5):
+        for i, p in enumerate(plans):
+            out: StageOutcome | None = None
+            try:
+                if p.action == "skip":
+                    out = _outcome(p.spec, "skip", "skipped")
+                else:
+                    out = run_one(manifest, p, placement, res, req, console)
+                if req.measuring:
+                    measure_stage(manifest, p.spec, out, req, console)  # before the next stage chains
+            except LongspecError as e:
+                if out is None:
+                    out = _outcome(p.spec, p.action, "interrupted" if e.exit_code == INTERRUPTED
+                                   else "failed", wall_s=p.wall_s, note=e.message.splitlines()[0])
+                elif out.result != GATE_FAILED:  # trained, but its measuring failed or was interrupted
+                    out.result = "interrupted" if e.exit_code == INTERRUPTED else "eval failed"
+                    out.note = out.note or e.message.splitlines()[0]
+                outcomes.append(out)
+                outcomes += [_outcome(q.spec, q.action, "not run") for q in plans[i + 1:]]
+                print_summary(outcomes, console)
+                raise
+            outcomes.append(out)
+    print_summary(outcomes, console)
+    return outcomes
+
+
+def run_one(manifest: Manifest, p: StagePlan, placement: A.Placement, res: A.Resources, req: RunRequest,
+            console: Console) -> StageOutcome:
+    from longspec_cli.core import chain
+    from longspec_cli.launch import process
+
+    spec = p.spec
+    if p.action == "rerun":
+        moved = _move_aside(spec.output_dir)
+        if moved:
+            console.say(f"{spec.name}: moved the previous run folder to {moved}")
+    if spec.draft_from:
+        _chain_into(manifest, spec, console, chain, deep=False if draft_measured(manifest, spec) else None)
+    if req.checked.get(str(spec.config)) != file_state(spec.config):  # chained (or edited) since the preflight
+        problems = validation_problems(manifest, [p], res.world_size, only=p, overrides=req.overrides,
+                                       world_from=world_label(res))
+        if report_problems([q for q in problems if q.severity == "error"], console) and not req.force:
+            raise RefusedError(f"stage {spec.name}: validation errors; not started",
+                               hint=f"fix them, or launch anyway with `longspec run {manifest.root} --force`")
+    from longspec_cli.launch.prepare import ensure_prepared
+
+    ensure_prepared(manifest, spec, req.overrides, res.world_size, console.say)  # before DeepSpeed starts
+    conf, exp = exp_location(spec)
+    cmd = with_ops_dir(A.build_launch(placement, res, conf, exp, spec.output_dir, req.overrides))
+    console.say(f"\n== {spec.name}: {p.action}{' (' + p.reason + ')' if p.reason else ''}\n$ {cmd.shell()}")
+    kw = {k: v for k, v in (("grace_int", req.grace_int), ("grace_term", req.grace_term)) if v is not None}
+    result = process.run_stage_process(cmd, spec.output_dir, spec.name, runfolder.config_overrides(req.overrides),
+                                       stream=console.out,
+                                       quiet=req.quiet, **kw)
+    p.wall_s = result.wall_s
+    saved = _preempted_event(spec)
+    if result.interrupted or result.stopped:
+        how = "stopped by `longspec stop`" if result.stopped and not result.interrupted else "interrupted"
+        what = (f"after saving checkpoint-{saved['step']}" if saved else f"after {result.wall_s:.0f} s")
+        raise LongspecError(f"stage {spec.name} {how} {what}; no process of it is left",
+                            hint=f"`longspec run {manifest.root}` resumes it from its newest checkpoint",
+                            exit_code=INTERRUPTED)
+    if result.returncode != 0 and saved:  # 5 from the ranks, or -15: SIGTERM reached the launcher too
+        raise LongspecError(f"stage {spec.name} was preempted ({saved.get('signal') or 'a stop signal'}) at step "
+                            f"{saved['step']} and saved checkpoint-{saved['step']}; the next stage was not started",
+                            hint=f"`longspec run {manifest.root}` resumes it from step {saved['step']}",
+                            exit_code=PREEMPTED)
+    rd = runfolder.RunDir(spec.output_dir)
+    complete = rd.stage_complete()
+    if result.returncode != 0 or complete is None:
+        _fail(spec, result, complete, console)
+    out = _outcome(spec, p.action, "done", wall_s=result.wall_s)
+    console.say(f"== {spec.name}: done in {result.wall_s:.1f} s, {out.steps} steps, final loss "
+                f"{out.last_loss if out.last_loss is not None else '?'}, sha256 {(out.sha256 or '?')[:16]}")
+    return out
+
+
+def _preempted_event(spec: StageSpec) -> dict | None:
+    """The last lifecycle event of the stage when it is `preempted` (a checkpoint was saved)."""
+    events = [e for e in runfolder.RunDir(spec.output_dir).events()
+              if e.get("event") in ("start", "resume", "end", "error", "preempted")]
+    last = events[-1] if events else None
+    return last if last is not None and last.get("event") == "preempted" and isinstance(last.get("step"), int) \
+        else None
+
+
+def ops_build_dir() -> str:
+    """TORCH_EXTENSIONS_DIR for the launches: one folder per Python environment, beside torch's own.
+
+    DeepSpeed JIT-builds its CPU ops (cpu_adam, the shm comm op) into torch's extension folder,
+    which every environment of a user shares: two environments (two checkouts, two venvs)
+    alternating on one machine rebuild each other's ops, about two minutes per launch here."""
+    import hashlib
+
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    env_id = hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:12]
+    return os.path.join(cache, "torch_extensions", f"longspec-{env_id}")
+
+
+def with_ops_dir(cmd: A.LaunchCommand) -> A.LaunchCommand:
+    """The launch with TORCH_EXTENSIONS_DIR set (unless the user set it: theirs is inherited)."""
+    from dataclasses import replace
+
+    if "TORCH_EXTENSIONS_DIR" in os.environ or "TORCH_EXTENSIONS_DIR" in cmd.env:
+        return cmd
+    return replace(cmd, env={**cmd.env, "TORCH_EXTENSIONS_DIR": ops_build_dir()})
+
+
+def _chain_into(manifest: Manifest, spec: StageSpec, console: Console, chain, deep: bool | None = None) -> None:
+    """Point `spec` at its upstream's verified final draft, exactly as `longspec next-stage --to`
+    (deep=False: without the subprocess load check, when the evaluator has just done it)."""
+    from longspec_cli.core.status import stage_status
+
+    prev = manifest.stage(spec.draft_from)
+    if stage_status(prev).state != "done":
+        raise RefusedError(f"stage {spec.name} starts from {prev.name}'s draft, but {prev.name} is not done",
+                           hint=f"run it first: `longspec run {manifest.root} {prev.name}` (or use --all)")
+    result = chain.chain_project(manifest, spec.name, dry_run=False, deep=deep)
+    if result is not None:
+        state = "set" if result.written else "already set"
+        console.say(f"{spec.name}: draft_model_name_or_path {state} to {result.new} "
+                    f"(sha256 {(result.draft_sha256 or '?')[:16]}, from {prev.name})")
+
+
+def _fail(spec: StageSpec, result, complete, console: Console) -> None:
+    tail = "\n".join(result.log_tail[-25:])
+    log = spec.output_dir / process_log_name()
+    if result.missing_module:
+        raise RunFailed(f"stage {spec.name}: the training process cannot import {result.missing_module}",
+                        hint=A.INSTALL_HINT)
+    why = (f"exit code {result.returncode}" if result.returncode != 0
+           else "exit code 0 but no stage_complete.json was written")
+    console.err.write(f"\n--- last lines of {log} ---\n{tail}\n---\n")
+    console.err.flush()
+    from longspec_cli.core import diskspace
+
+    free = diskspace.free_bytes(spec.output_dir)
+    if free is not None and free < LOW_SPACE_BYTES or "could not write" in tail:
+        # train.log may be the very file that could not be written: say it from here too.
+        raise RunFailed(f"stage {spec.name} failed ({why}): {diskspace.human(free)} free on the disk of "
+                        f"{spec.output_dir}\n{diskspace.resume_sentence(spec.output_dir)}",
+                        hint="free some space (or point output_dir elsewhere) and run again")
+    raise RunFailed(f"stage {spec.name} failed ({why}); the next stage was not started",
+                    hint=f"full log: {log}")
+
+
+def process_log_name() -> str:
+    from longspec_cli.launch.process import TRAIN_LOG
+
+    return TRAIN_LOG
+
+
+def _outcome(spec: StageSpec, action: str, result: str, wall_s: float | None = None, note: str = "") -> StageOutcome:
+    rd = runfolder.RunDir(spec.output_dir)
+    out = StageOutcome(name=spec.name, action=action, result=result, wall_s=wall_s, note=note)
+    if result in ("not run",):
+        return out
+    complete = rd.stage_complete()
+    steps = [r for r in rd.metrics().steps]
+    if steps:
+        out.first_loss = as_float(steps[0].get("loss"))
+        out.last_loss = as_float(steps[-1].get("loss"))
+        rates = [as_float(r.get("tokens_per_s")) for r in steps]
+        rates = [r for r in rates if r]
+        out.tokens_per_s = sum(rates) / len(rates) if rates else None
+        out.steps = steps[-1].get("step") if isinstance(steps[-1].get("step"), int) else None
+    if complete is not None:
+        out.sha256 = complete.get("sha256")
+        ev = eval_of(spec, out.sha256)
+        if ev is not None:
+            out.take_eval(ev)
+        if isinstance(complete.get("steps"), int):
+            out.steps = complete["steps"]
+        if as_float(complete.get("final_loss")) is not None:
+            out.last_loss = as_float(complete.get("final_loss"))
+    return out
+
+
+def print_summary(outcomes: list[StageOutcome], console: Console) -> None:
+    rows = [SUMMARY_HEADER] + [o.row() for o in outcomes]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(SUMMARY_HEADER))]
+    console.say("")
+    for n, r in enumerate(rows):
+        console.say("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if n == 0:
+            console.say("  ".join("-" * w for w in widths))
+    for o in outcomes:
+        if o.note:
+            console.say(f"{o.name}: {o.note}")
+
+
+def _move_aside(path: Path) -> Path | None:
+    if not path.exists():
+        return None
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    dest = path.with_name(f"{path.name}.old-{stamp}")
+    n = 1
+    while dest.exists():
+        dest = path.with_name(f"{path.name}.old-{stamp}-{n}")
+        n += 1
+    os.replace(path, dest)
+    return dest
