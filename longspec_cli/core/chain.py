@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from longspec_cli.core import runfolder, yamlio
-from longspec_cli.core.manifest import Manifest, StageSpec
+from longspec_cli.core.manifest import Manifest, StageSpec, resolve_path, same_file
 from longspec_cli.core.yamledit import set_root_scalar
 from longspec_cli.errors import InputError, RefusedError, UsageError
 
@@ -175,7 +175,7 @@ def pick_stage(manifest: Manifest, to: str | None) -> tuple[StageSpec, StageSpec
             continue
         finished = True
         current, _ = composed_draft(spec.config) if spec.config.is_file() else (None, None)
-        if not _points_at(current, weights, manifest.root):
+        if not same_file(current, weights, manifest.root):
             return spec, prev
     if not finished:
         first = next((s.draft_from for s in manifest.stages if s.draft_from), None)
@@ -185,20 +185,11 @@ def pick_stage(manifest: Manifest, to: str | None) -> tuple[StageSpec, StageSpec
     return None
 
 
-def _points_at(current: Any, weights: Path, root: Path) -> bool:
-    if not isinstance(current, str) or not current.strip():
-        return False
-    p = Path(os.path.expanduser(current))
-    p = p if p.is_absolute() else root / p
-    return os.path.realpath(p) == os.path.realpath(weights)
-
-
 def target_of(config_data: Any, base: Path, fallback: Path | None) -> Path | None:
     """The target model folder for the deep check: the config's model_name_or_path when it is a folder."""
     v = config_data.get(AFTER_KEY) if isinstance(config_data, dict) else None
     if isinstance(v, str) and v and "${" not in v:
-        p = Path(os.path.expanduser(v))
-        p = p if p.is_absolute() else base / p
+        p = resolve_path(base, v)
         if p.is_dir():
             return p
     return fallback if fallback is not None and Path(fallback).is_dir() else None
@@ -272,7 +263,7 @@ def write_draft_key(config: Path, draft: VerifiedDraft, *, dry_run: bool, stage:
             written = True
         if written and composes:
             value, why = composed_draft(config)
-            if why is not None or not _points_at(value, draft.path, config.parent):
+            if why is not None or not same_file(value, draft.path, config.parent):
                 atomic_write_text(real, bom + edit.old_text)  # roll back: nothing changed
                 _, winner = _winner(config)
                 if why is not None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from longspec_cli.core.hydracompose import Composed, Origin
+from longspec_cli.core.manifest import resolve_path
 from longspec_cli.core.placeholders import has_placeholder
 
 CHECKPOINT_RE = re.compile(r"(?:^|/)checkpoint-(?:last|best|\d+)(?:/|$)")
@@ -26,8 +27,7 @@ class Context:
 
 
 def abs_path(ctx: Context, value: str) -> Path:
-    p = Path(os.path.expanduser(value))
-    return Path(os.path.normpath(p if p.is_absolute() else ctx.base_dir / p))
+    return Path(os.path.normpath(resolve_path(ctx.base_dir, value)))
 
 
 def usable(value: Any) -> bool:

@@ -131,7 +131,7 @@ def _build(doc: yamlio.YamlDoc, path: Path) -> Manifest:
     launch = _launch(data.get("launch"), doc, err, root)
     stages = _stages(data.get("stages"), doc, err, root)
     return Manifest(path=path, root=root, name=str(name), preset=preset, variant=str(variant),
-                    target=_resolve(root, target) if target else None, launch=launch, stages=stages,
+                    target=resolve_path(root, target) if target else None, launch=launch, stages=stages,
                     unknown_keys=unknown)
 
 
@@ -152,7 +152,7 @@ def _launch(raw: Any, doc: yamlio.YamlDoc, err, root: Path) -> Launch:
     hostfile = raw.get("hostfile")
     if hostfile is not None and (not isinstance(hostfile, str) or "\0" in hostfile):
         err("`launch.hostfile` must be a path or null", "launch.hostfile")
-    return Launch(gpus=vals["gpus"], nodes=vals["nodes"], hostfile=_resolve(root, hostfile) if hostfile else None)
+    return Launch(gpus=vals["gpus"], nodes=vals["nodes"], hostfile=resolve_path(root, hostfile) if hostfile else None)
 
 
 def _stages(raw: Any, doc: yamlio.YamlDoc, err, root: Path) -> list[StageSpec]:
@@ -191,18 +191,26 @@ def _stages(raw: Any, doc: yamlio.YamlDoc, err, root: Path) -> list[StageSpec]:
                 err(f"stages[{i}].draft_from {draft_from!r} {why}", line=key_line(entry, "draft_from") or line,
                     hint=_did_you_mean(draft_from, names) or (f"earlier stages: {', '.join(names)}" if names else
                                                               "the first stage has draft_from: null"))
-        output_dir = _resolve(root, vals["output_dir"])
+        output_dir = resolve_path(root, vals["output_dir"])
         if output_dir.exists() and not output_dir.is_dir():
             err(f"stages[{i}].output_dir {str(output_dir)!r} is a file, not a folder",
                 line=key_line(entry, "output_dir") or line, hint="point output_dir at a folder (made when the stage runs)")
-        out.append(StageSpec(name=vals["name"], config=_resolve(root, vals["config"]),
+        out.append(StageSpec(name=vals["name"], config=resolve_path(root, vals["config"]),
                              output_dir=output_dir, draft_from=draft_from, line=line))
     return out
 
 
-def _resolve(root: Path, value: str) -> Path:
+def resolve_path(base: Path, value: str) -> Path:
+    """A path as a manifest or a config writes it: `~` expanded, a relative one taken from `base`."""
     p = Path(os.path.expanduser(value))
-    return p if p.is_absolute() else Path(os.path.normpath(root / p))
+    return p if p.is_absolute() else Path(os.path.normpath(base / p))
+
+
+def same_file(value: Any, path: str | os.PathLike, base: Path) -> bool:
+    """Does the path text `value` (relative to `base`) name `path`, symlinks resolved?"""
+    if not isinstance(value, str) or not value.strip():
+        return False
+    return os.path.realpath(resolve_path(base, value)) == os.path.realpath(path)
 
 
 def _did_you_mean(word: str, choices) -> str | None:

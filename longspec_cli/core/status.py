@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from longspec_cli.core import liveness, runfolder
-from longspec_cli.core.manifest import Manifest, StageSpec
+from longspec_cli.core.manifest import Manifest, StageSpec, same_file
 
 STATES = ("pending", "running", "done", "failed", "stale", "preempted")
 DRAFT_KEY = "draft_model_name_or_path"
@@ -134,20 +134,10 @@ def stage_status(spec: StageSpec, upstream: StageStatus | None = None, root: Pat
         st.reasons.append(f"process {info.get('pid')} {how} and stage_complete.json was never written")
     _next_action(st, rd, upstream)
     if (st.action in ("start", "resume", "rerun") and upstream is not None and upstream.draft_weights
-            and not _same_file(st.draft_model_name_or_path, upstream.draft_weights, root or spec.config.parent)):
+            and not same_file(st.draft_model_name_or_path, upstream.draft_weights, root or spec.config.parent)):
         st.reasons.append(f"{DRAFT_KEY} does not point at {upstream.name}'s final draft yet "
                           f"(`longspec next-stage` sets it)")
     return st
-
-
-def _same_file(value: str | None, path: str, root: Path) -> bool:
-    import os
-
-    if not value:
-        return False
-    p = Path(os.path.expanduser(value))
-    p = p if p.is_absolute() else root / p
-    return os.path.realpath(p) == os.path.realpath(path)
 
 
 def _draft_key(config: Path, notes: list[str]) -> str | None:

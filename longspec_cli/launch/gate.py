@@ -8,12 +8,11 @@
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 from longspec_cli.core import runfolder
-from longspec_cli.core.manifest import Manifest, StageSpec
+from longspec_cli.core.manifest import Manifest, StageSpec, same_file
 from longspec_cli.errors import INTERRUPTED, LongspecError, RefusedError, UsageError
 from longspec_cli.launch.plan import Console, RunRequest, StageOutcome, composed
 
@@ -136,11 +135,7 @@ def draft_measured(manifest: Manifest, spec: StageSpec) -> bool:
         return False
     c = composed(spec.config)
     target = c.data.get("model_name_or_path") if c.ok and isinstance(c.data, dict) else None
-    if not isinstance(target, str) or "${" in target:
-        return False
-    t = Path(os.path.expanduser(target))
-    t = t if t.is_absolute() else manifest.root / t
-    return os.path.realpath(t) == os.path.realpath(ev["target"])
+    return isinstance(target, str) and "${" not in target and same_file(target, ev["target"], manifest.root)
 
 
 def eval_of(spec: StageSpec, sha256: str | None) -> dict | None:
