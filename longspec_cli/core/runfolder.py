@@ -74,6 +74,14 @@ class MetricsLog:
         return [r for r in self.records if "event" in r]
 
 
+LIFECYCLE_EVENTS = ("start", "resume", "end", "error", "preempted")  # what a run did last; not `checkpoint`
+
+
+def last_lifecycle_event(events: list[dict]) -> dict | None:
+    """The last start / resume / end / error / preempted event: how the stage's last run stands."""
+    return next((e for e in reversed(events) if e.get("event") in LIFECYCLE_EVENTS), None)
+
+
 def is_step_record(rec: dict) -> bool:
     return "event" not in rec and isinstance(rec.get("step"), int) and not isinstance(rec.get("step"), bool)
 

@@ -107,8 +107,7 @@ def stage_status(spec: StageSpec, upstream: StageStatus | None = None, root: Pat
     _read_eval(st, spec)
     events = rd.events()
     _progress(st, rd, complete, events)
-    lifecycle = [e for e in events if e.get("event") in ("start", "resume", "end", "error", "preempted")]
-    last_event = lifecycle[-1] if lifecycle else None
+    last_event = runfolder.last_lifecycle_event(events)
 
     if info is not None and _running(info, st):
         st.state = "running"

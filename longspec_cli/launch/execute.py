@@ -201,9 +201,7 @@ def run_one(manifest: Manifest, p: StagePlan, placement: A.Placement, res: A.Res
 
 def _preempted_event(spec: StageSpec) -> dict | None:
     """The last lifecycle event of the stage when it is `preempted` (a checkpoint was saved)."""
-    events = [e for e in runfolder.RunDir(spec.output_dir).events()
-              if e.get("event") in ("start", "resume", "end", "error", "preempted")]
-    last = events[-1] if events else None
+    last = runfolder.last_lifecycle_event(runfolder.RunDir(spec.output_dir).events())
     return last if last is not None and last.get("event") == "preempted" and isinstance(last.get("step"), int) \
         else None
 
