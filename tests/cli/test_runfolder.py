@@ -200,3 +200,14 @@ def test_one_cache_root_honours_xdg_and_keeps_the_newest_entries(tmp_path, monke
     assert atomic.lock_path("t.json").parent == tmp_path / "xdg" / "longspec" / "locks"
     monkeypatch.setenv("LONGSPEC_CACHE_DIR", str(tmp_path / "own"))
     assert atomic.cache_root() == tmp_path / "own"
+
+
+def test_last_lifecycle_event_ignores_checkpoints_and_steps(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    for rec in ({"event": "start", "step": 0}, {"step": 1}, {"event": "preempted", "step": 1, "signal": "SIGTERM"},
+                {"event": "checkpoint", "step": 1}):
+        R.append_metrics(p, rec)
+    assert R.last_lifecycle_event(R.RunDir(tmp_path).events())["event"] == "preempted"
+    R.append_metrics(p, {"event": "resume", "step": 1})
+    assert R.last_lifecycle_event(R.RunDir(tmp_path).events())["event"] == "resume"
+    assert R.last_lifecycle_event([]) is None
