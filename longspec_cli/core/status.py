@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from longspec_cli.core import liveness, runfolder
+from longspec_cli.core import runfolder
 from longspec_cli.core.manifest import Manifest, StageSpec, same_file
 
 STATES = ("pending", "running", "done", "failed", "stale", "preempted")
@@ -167,6 +167,8 @@ def _progress(st: StageStatus, rd: runfolder.RunDir, complete: dict | None, even
 
 
 def _running(info: dict, st: StageStatus) -> bool:
+    from longspec_cli.core import liveness  # psutil: only when a run.json is there
+
     alive = liveness.run_alive(info)
     if alive is None:
         st.reasons.append(f"started on host {liveness.other_host(info)}; its process cannot be checked from here")
