@@ -245,7 +245,7 @@ class StageFollow:
                     self.total_steps = rec["total_steps"]
             elif event == "error":
                 self.error_event = rec
-            if event in ("start", "resume", "end", "error"):
+            if event in runfolder.LIFECYCLE_EVENTS:  # the stage's state may have changed
                 self.structure += 1
             return
         if not runfolder.is_step_record(rec):
