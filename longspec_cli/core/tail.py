@@ -140,3 +140,15 @@ def read_range_chunks(path: str | os.PathLike, end: int, chunk: int = 4 << 20):
             cut = block.rfind(b"\n") + 1
             rest = block[cut:]
             yield block[:cut].split(b"\n")[:-1]
+
+
+def last_lines(path: str | os.PathLike, n: int, *, since: int = 0, max_bytes: int = 64 * 1024) -> list[str]:
+    """The last `n` lines written after byte `since` (a last line without its newline included)."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(since, size - max_bytes))
+            data = f.read()
+    except OSError:
+        return []
+    return data.decode("utf-8", "replace").splitlines()[-n:]

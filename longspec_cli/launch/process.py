@@ -32,7 +32,7 @@ from typing import Callable, TextIO
 
 from longspec_cli.core import liveness, runfolder
 from longspec_cli.core.atomic import atomic_write_json
-from longspec_cli.core.tail import LineTail
+from longspec_cli.core.tail import LineTail, last_lines
 from longspec_cli.errors import RefusedError
 from longspec_cli.launch.argv import INSTALL_HINT, LaunchCommand
 
@@ -331,7 +331,7 @@ def run_stage_process(cmd: LaunchCommand, output_dir: Path, stage: str, override
                              grace_int=grace_int, grace_term=grace_term)
             ended_unix = time.time()
     result.wall_s = time.monotonic() - t0
-    result.log_tail = log_tail(log_path, start_offset)
+    result.log_tail = last_lines(log_path, 40, since=start_offset)
     for line in result.log_tail:
         m = _MISSING_MODULE.search(line)
         if m:
@@ -440,19 +440,6 @@ def _log_reader(path: Path, offset: int) -> Callable[..., str]:
         return text + (rest + "\n" if rest and not rest.endswith("\n") else rest)
 
     return read
-
-
-def log_tail(path: Path, offset: int = 0, lines: int = 40) -> list[str]:
-    """The last `lines` lines of the log written since `offset`."""
-    try:
-        with open(path, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            start = max(offset, size - 64 * 1024)
-            f.seek(start)
-            data = f.read()
-    except OSError:
-        return []
-    return data.decode("utf-8", "replace").splitlines()[-lines:]
 
 
 # ---------------------------------------------------------------------------------------- stop
