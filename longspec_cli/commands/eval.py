@@ -49,8 +49,6 @@ context length (short for base, long for long/longcot).
 
 Exit codes: 0 ok, 1 not lossless or a stage without a finished draft, 2 usage, 3 unreadable input."""
 
-FINISHED = ("done", "stale")
-
 
 def eval_cmd(
     project_dir: Path = typer.Argument(..., help="Project folder (or its longspec.yaml).", show_default=False),
@@ -81,7 +79,7 @@ def eval_cmd(
     def body() -> None:
         from longspec_cli.core.manifest import load_manifest
         from longspec_cli.core.quality import baseline_draft, eval_command
-        from longspec_cli.core.status import project_status
+        from longspec_cli.core.status import FINISHED, project_status
 
         if prompts is not None and not prompts.is_file():
             raise UsageError(f"--prompts {prompts}: no such file")

@@ -28,8 +28,6 @@ Default --out: the stage's run folder, export/<stage>-hf or export/<stage>.safet
 Exit codes: 0 ok, 1 refused (stage not finished, destination exists without --force),
 2 usage, 3 unreadable input (corrupt draft, draft that does not fit the target)."""
 
-FINISHED = ("done", "stale")
-
 
 def export_cmd(
     project_dir: Path = typer.Argument(..., help="Project folder (or its longspec.yaml).", show_default=False),
@@ -44,7 +42,7 @@ def export_cmd(
     def body() -> None:
         from longspec_cli.core.trainerjson import run_trainer_json
         from longspec_cli.core.manifest import load_manifest
-        from longspec_cli.core.status import project_status
+        from longspec_cli.core.status import FINISHED, project_status
 
         if fmt not in ("hf", "safetensors"):
             raise UsageError(f"--format {fmt!r}: choose hf or safetensors")

@@ -21,6 +21,7 @@ from longspec_cli.core import runfolder
 from longspec_cli.core.manifest import Manifest, StageSpec, same_file
 
 STATES = ("pending", "running", "done", "failed", "stale", "preempted")
+FINISHED = ("done", "stale")  # the stage has a final draft (stale: its inputs changed since)
 DRAFT_KEY = "draft_model_name_or_path"
 
 

@@ -129,7 +129,7 @@ def file_state(path: Path) -> tuple | None:
 
 def plan_stages(manifest: Manifest, req: RunRequest) -> list[StagePlan]:
     """What each stage in scope will do. Raises RefusedError when a stage is running."""
-    from longspec_cli.core.status import config_current, draft_current, project_status
+    from longspec_cli.core.status import FINISHED, config_current, draft_current, project_status
 
     statuses = {s.name: s for s in project_status(manifest)}
     rerun: set[str] = set()  # stages that will produce a new draft in this invocation
@@ -144,10 +144,10 @@ def plan_stages(manifest: Manifest, req: RunRequest) -> list[StagePlan]:
         up = statuses.get(spec.draft_from) if spec.draft_from else None
         same_draft = up is None or (spec.draft_from not in rerun and complete is not None
                                     and draft_current(complete, up))
-        if st.state in ("done", "stale") and same_config and same_draft:
+        if st.state in FINISHED and same_config and same_draft:
             plans.append(StagePlan(spec, "skip", "done, config unchanged"))
             continue
-        if st.state in ("done", "stale"):
+        if st.state in FINISHED:
             why = []
             if not same_config:
                 why.append("config or overrides changed")
