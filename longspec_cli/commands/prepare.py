@@ -19,7 +19,8 @@ EPILOG = """Examples:
   longspec prepare demo --json           one JSON object with a result per stage
 
 The cache (flat token ids, trained-label mask, offsets, manifest) lives under
-$LONGSPEC_CACHE_DIR/prepared (default ~/.cache/longspec). It is keyed by the train file's path,
+$LONGSPEC_CACHE_DIR/prepared (default: $XDG_CACHE_HOME/longspec/prepared, else
+~/.cache/longspec/prepared). It is keyed by the train file's path,
 the tokenizer files and the data options, and rebuilt when the file's content changes or the
 cache is damaged. `longspec run` prepares a missing cache itself before DeepSpeed starts; the
 trainer memory-maps it, so restarts and resumes never tokenize again.

@@ -3,7 +3,7 @@
 Pure: no torch, numpy or transformers (status composes the stage with Hydra, as validate does). `longspec prepare` (python -m longspec.prepare) builds a
 cache; the trainer memory-maps it; `status`, `validate` and the monitor read its small manifest.
 
-A cache is a folder $LONGSPEC_CACHE_DIR/prepared/<stem>-<key>/ named by the source path, the
+A cache is a folder <cache root>/prepared/<stem>-<key>/ (core.atomic.cache_root) named by the source path, the
 tokenizer's files and the data options (collator, max_seq_length, on_bad_record):
 
   manifest.json          written last (atomic): key, source fingerprint, counts, files, histogram
@@ -41,8 +41,10 @@ class CacheProblem(Exception):
 
 
 def cache_root() -> Path:
-    base = Path(os.environ.get("LONGSPEC_CACHE_DIR") or Path.home() / ".cache" / "longspec")
-    return base / "prepared"
+    """The prepared caches' folder: `prepared/` under longspec's one cache root (core.atomic)."""
+    from longspec_cli.core.atomic import cache_root as longspec_cache
+
+    return longspec_cache() / "prepared"
 
 
 def tokenizer_fingerprint(target: str | os.PathLike) -> str:
