@@ -41,15 +41,13 @@ def run_module(argv: list[str], *, show_progress: bool = False, timeout: float |
     import subprocess
     import threading
 
-    module = argv[2] if len(argv) > 2 and argv[1] == "-m" else argv[0]
-
+    module = _module(argv)
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])  # the tree this CLI runs from holds the trainer too
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     tail: deque[str] = deque(maxlen=12)
     try:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, bufsize=1, env=env)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env=env)
     except OSError as e:
         raise RefusedError(f"cannot start {module}: {e}") from None
     chunks: list[str] = []
