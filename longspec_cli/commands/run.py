@@ -76,7 +76,7 @@ def run(
     evaluate: bool = typer.Option(False, "--eval", help="Evaluate each stage as it finishes (tau, speed-up); "
                                                         "never stops the pipeline."),
 ) -> None:
-    """Launch training stages with DeepSpeed (progress line, train.log, Ctrl-C stops every rank)."""
+    """Launch training stages with DeepSpeed (progress line, train.log, Ctrl-C saves a checkpoint, then stops every rank)."""
 
     def body() -> None:
         from longspec_cli.errors import UsageError

@@ -84,5 +84,5 @@ def _render_prepared(prepared: dict) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("status", help="Show each stage's state (pending/running/done/stale/failed) and the next step.",
+    app.command("status", help="Show each stage's state (pending/running/done/stale/preempted/failed) and the next step.",
                 epilog=EPILOG)(status)
