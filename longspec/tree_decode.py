@@ -54,7 +54,7 @@ from longspec import tree_attn
 from longspec.model import apply_rope
 from longspec.spec_decode import (
     DecodeResult, GlideProposer, _cache_kwarg, _check_prompt, _finish, _sync, cache_length, crop_cache,
-    last_layer_kv, new_cache,
+    last_layer_kv, new_cache, target_logits,
 )
 
 DEFAULT_TREE_SHAPE = (4, 16, 16, 16, 16)
@@ -226,8 +226,7 @@ class GlideTreeProposer(GlideProposer):
 @torch.no_grad()
 def prefill_logits(model: nn.Module, prompt: torch.Tensor, cache) -> torch.Tensor:
     """Prefill ``prompt`` (1, P) into ``cache``; only the last position's logits (V,) fp32."""
-    out = model(input_ids=prompt, use_cache=True, logits_to_keep=1, **{_cache_kwarg(model): cache})
-    return out.logits[0, -1].float()
+    return target_logits(model, prompt, cache, last_only=True)[-1]
 
 
 @torch.no_grad()
