@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from longspec.evaluate import EvalError, read_run, stage_draft
+from longspec_cli.core.atomic import fsync_path
 
 FORMATS = ("hf", "safetensors")
 FORMAT_VERSION = 1
@@ -92,14 +93,6 @@ def draft_config_json(target_config: Any, draft_cfg, *, target_name: str, dtype:
 
 # ----------------------------------------------------------------------------- atomic writes
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _check_dest(out: Path, force: bool) -> None:
     if out.exists() and not force:
         raise EvalError(f"{out} already exists", 1, hint="pass --force to replace it, or --out another path")
@@ -119,7 +112,7 @@ def _replace(tmp: Path, out: Path) -> None:
         raise
     if old is not None:
         shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
-    _fsync_path(out.parent)
+    fsync_path(out.parent)
 
 
 def write_hf(state: Mapping[str, Any], config: dict, out: Path, force: bool = False) -> Path:
@@ -134,7 +127,7 @@ def write_hf(state: Mapping[str, Any], config: dict, out: Path, force: bool = Fa
         save_file(tensors, str(tmp / HF_WEIGHTS), metadata={"format": "pt"})
         (tmp / HF_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         for name in (HF_WEIGHTS, HF_CONFIG):
-            _fsync_path(tmp / name)
+            fsync_path(tmp / name)
         os.chmod(tmp, 0o755)
         _replace(tmp, out)
     except BaseException:
@@ -159,7 +152,7 @@ def write_safetensors(state: Mapping[str, Any], config: dict, out: Path, force: 
     try:
         tensors = {k: v.detach().cpu().contiguous() for k, v in state.items()}
         save_file(tensors, str(tmp), metadata={"format": "pt", "longspec_config": json.dumps(config, sort_keys=True)})
-        _fsync_path(tmp)
+        fsync_path(tmp)
         os.chmod(tmp, 0o644)
         _replace(tmp, out)
     except BaseException:

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from longspec_cli.core import prepared as P
+from longspec_cli.core.atomic import fsync_path
 
 CHUNK_RECORDS = 512          # records per batched tokenizer call / per worker task
 LOCK_POLL_S = 2.0
@@ -98,7 +99,7 @@ class _Writer:
             final = self.folder / self.names[kind]
             os.replace(self.folder / f".{self.names[kind]}.tmp", final)
             out[self.names[kind]] = {"size": final.stat().st_size, "sha256": self.hashes[kind].hexdigest()}
-        _fsync_dir(self.folder)
+        fsync_path(self.folder)
         for name, info in out.items():
             info["stat"] = P.stat_key(self.folder / name)
         return out
@@ -107,14 +108,6 @@ class _Writer:
         for kind, f in self.files.items():
             f.close()
             (self.folder / f".{self.names[kind]}.tmp").unlink(missing_ok=True)
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _Progress:

@@ -42,13 +42,18 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync a file or a folder by name (a folder: so a rename into it is durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _fsync_dir(folder: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    with contextlib.suppress(OSError):  # some file systems refuse a folder fsync: the rename stands
+        fsync_path(folder)
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
