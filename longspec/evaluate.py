@@ -518,11 +518,9 @@ def evaluate(args: argparse.Namespace, log=None) -> dict:
         if not args.baseline_draft.exists():
             raise EvalError(f"baseline draft not found: {args.baseline_draft}", 2)
         baseline = load_baseline(args.baseline_draft, gdraft, dtype, device)
-    if device.type == "cuda" and "tree" in args.method:
-        from longspec import tree_attn
-
-        if tree_attn.fused_available(device):
-            tree_attn.install(model)          # hybrid tree attention: flash-attn over the prefix
+    from longspec import kernels, tree_attn   # what each attention runs on, for eval.json's `backend`
+    backend = {"draft_attention": "sdpa" if kernels.flash_unusable(device, dtype) else "flash_attn",
+               "tree_verify": tree_attn.setup_verify(model, device, dtype) if "tree" in args.method else None}
     figures = measure(model, tw, gdraft, prompts, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                       eos_token_id=eos, device=device, log=log, baseline=baseline, methods=tuple(args.method),
                       tree_shape=args.tree_shape, temperature=args.temperature, seed=args.seed)
@@ -551,6 +549,7 @@ def evaluate(args: argparse.Namespace, log=None) -> dict:
         "device": device.type,
         "dtype": str(dtype).replace("torch.", ""),
         "sliding_window": window,
+        "backend": backend,
         "generated_tokens": figures["generated_tokens"],
         "target_forwards": figures["target_forwards"],
         "per_prompt": figures["per_prompt"],

@@ -77,12 +77,31 @@ def _liger_loss_cls():
     return LigerFusedLinearCrossEntropyLoss
 
 
+def fused_device(device: torch.device | str) -> bool:
+    """Whether the fused kernels can run on tensors of ``device`` (CUDA). Every fused-or-reference
+    choice in longspec asks this one function (attention, linear_cross_entropy, backend, tree_attn),
+    so that the CPU stand-in tests (tests/standins) can lift it for their own run and nothing else."""
+    return torch.device(device).type == "cuda"
+
+
+def flash_unusable(device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """Why flash-attn cannot run on tensors of ``device`` and ``dtype`` (None: it can). The one
+    predicate of kernels.attention and of the tree verify (tree_attn): flash-attn refuses fp32."""
+    if _flash_attn_func() is None:
+        return "flash-attn is not installed or does not import"
+    if not fused_device(device):
+        return "tensors are not on CUDA"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"dtype {dtype} (flash-attn needs fp16 or bf16)"
+    return None
+
+
 def backend(device: torch.device | str | None = None) -> dict[str, str]:
     """Which implementation each op uses on ``device`` (default: cuda if present) under the
     current mode, for logs. Raises KernelUnavailable in ``fused`` mode when one cannot run."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    on_cuda = torch.device(device).type == "cuda"
+    on_cuda = fused_device(device)
     m = mode()
     flash = on_cuda and m != "reference" and _flash_attn_func() is not None
     liger = on_cuda and m != "reference" and _liger_loss_cls() is not None
@@ -139,7 +158,7 @@ def attention(
         k, v = k.to(q.dtype), v.to(q.dtype)
 
     if impl is None:
-        impl = "sdpa" if mode() == "reference" else ("flash" if mode() == "fused" and q.is_cuda else None)
+        impl = "sdpa" if mode() == "reference" else ("flash" if mode() == "fused" and fused_device(q.device) else None)
     why_not = _flash_blocker(q, k, causal, key_padding_mask)
     if impl == "flash" and why_not:
         raise KernelUnavailable(f"attention: flash-attn requested but not usable here ({why_not})")
@@ -154,12 +173,9 @@ def _flash_blocker(q, k, causal, key_padding_mask) -> str | None:
     Right padding is fine: with causal attention a real query never sees a later (padded) key,
     and padded queries carry no label. Any other padding pattern needs the reference path.
     """
-    if _flash_attn_func() is None:
-        return "flash-attn is not installed or does not import"
-    if not q.is_cuda:
-        return "tensors are not on CUDA"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"dtype {q.dtype} (flash-attn needs fp16 or bf16)"
+    why = flash_unusable(q.device, q.dtype)
+    if why:
+        return why
     if causal and k.shape[2] != q.shape[2]:
         return "causal attention with keys and queries of different lengths"
     if key_padding_mask is not None and not (causal and _right_padded(key_padding_mask)):
@@ -275,8 +291,9 @@ def linear_cross_entropy(
     if bad.any():
         raise ValueError(f"linear_cross_entropy: label {int(labels[bad][0])} outside the vocabulary (size {vocab})")
 
-    use_liger = _liger_loss_cls() is not None and hidden.is_cuda and mode() != "reference"
-    if impl is None and mode() == "fused" and hidden.is_cuda:
+    on_fused = fused_device(hidden.device)
+    use_liger = _liger_loss_cls() is not None and on_fused and mode() != "reference"
+    if impl is None and mode() == "fused" and on_fused:
         impl = "liger"
     if impl == "liger" and not use_liger:
         raise KernelUnavailable("linear_cross_entropy: liger requested but not usable (needs CUDA and liger-kernel)")

@@ -101,7 +101,24 @@ def tree_verify_attention(q, k, v, tree_mask: torch.Tensor, scale: float | None 
 def fused_available(device: torch.device) -> bool:
     from longspec import kernels
 
-    return device.type == "cuda" and kernels._flash_attn_func() is not None
+    return kernels.fused_device(device) and kernels._flash_attn_func() is not None
+
+
+def setup_verify(model, device: torch.device, dtype: torch.dtype) -> str:
+    """Route ``model``'s tree verify through the hybrid path where flash-attn can compute the prefix
+    part; the verify backend for eval.json: "flash_attn" (flash prefix merged with the exact tree
+    part) or "exact" (the model's own attention with the tree mask, nothing approximated)."""
+    if fused_available(device):
+        install(model)
+        return "flash_attn"
+    return "exact"
+
+
+def verify_impl(device: torch.device, dtype: torch.dtype) -> str:
+    """The tree_verify_attention impl an installed model uses: "flash" or "hybrid" (torch prefix)."""
+    from longspec import kernels
+
+    return "flash" if kernels.fused_device(device) else "hybrid"
 
 
 # ----------------------------------------------------------------------------- transformers hook
@@ -142,5 +159,5 @@ def verifying(tree_mask: torch.Tensor, impl: str):
         _ACTIVE.reset(token)
 
 
-__all__ = ["verify_mask", "masked_attention", "tree_verify_attention", "fused_available", "install", "installed",
-           "verifying"]
+__all__ = ["verify_mask", "masked_attention", "tree_verify_attention", "fused_available", "setup_verify",
+           "verify_impl", "install", "installed", "verifying"]

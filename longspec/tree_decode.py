@@ -234,15 +234,15 @@ def verify_tree(model: nn.Module, tree: TokenTree, cache) -> torch.Tensor:
     """One target forward over the whole tree on top of ``cache``: logits (N, V) fp32 per node.
     The cache grows by N (the tree's K/V, in node order; keep_path drops the rejected ones)."""
     P = cache_length(cache)
-    dev = next(model.parameters()).device
+    dev, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     ids = torch.tensor([tree.tokens], device=dev)                                       # (1, N)
     pos = (torch.tensor(tree.depth) + P)[None].to(dev)                                  # (1, N)
     anc = tree.ancestor_mask(dev)
-    mask = tree_attn.verify_mask(P, anc, next(model.parameters()).dtype)
+    mask = tree_attn.verify_mask(P, anc, dtype)
     kwargs = {_cache_kwarg(model): cache}
     # with tree_attn installed (CUDA + flash-attn) the hybrid path runs; else the model's own
     # attention applies the same mask (the reference)
-    ctx = tree_attn.verifying(anc, "flash" if dev.type == "cuda" else "hybrid") if tree_attn.installed(model) \
+    ctx = tree_attn.verifying(anc, tree_attn.verify_impl(dev, dtype)) if tree_attn.installed(model) \
         else contextlib.nullcontext()
     with ctx:
         out = model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True, **kwargs)

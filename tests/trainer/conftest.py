@@ -78,3 +78,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def fused_standins(monkeypatch):
+    """The CPU stand-ins for flash-attn and Liger in place (tests/standins): the project's own
+    dispatch takes its fused path on CPU tensors. Yields the stand-in modules (their CALLERS)."""
+    from tests import standins
+
+    yield standins.install(monkeypatch)
+    standins.uninstall()
+
+
+@pytest.fixture(params=[pytest.param("cuda", marks=pytest.mark.gpu), "standin"])
+def fused_env(request, monkeypatch):
+    """Where a fused-kernel test runs: "cuda" (the real kernels; gpu-marked, skipped without CUDA)
+    or the CPU under the stand-ins. Yields the device to put tensors on."""
+    if request.param == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("needs CUDA")
+        yield "cuda"
+        return
+    from tests import standins
+
+    standins.install(monkeypatch)
+    yield "cpu"
+    standins.uninstall()

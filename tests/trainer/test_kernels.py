@@ -231,34 +231,35 @@ def test_linear_ce_under_no_grad():
     torch.testing.assert_close(loss, naive_ce(hidden, weight, labels))
 
 
-# ----------------------------------------------------------------------------- GPU: fused == reference
+# ----------------------------------------------------------------------------- fused == reference
+# fused_env: the real kernels on CUDA (gpu-marked), and the CPU stand-ins (tests/standins) everywhere.
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("window,lag", [(None, 0), (64, 0), (None, 3)])
-def test_flash_attention_matches_sdpa(window, lag):
-    if kernels.backend("cuda")["attention"] != "flash_attn":
+@pytest.mark.parametrize("window,lag", [(None, 0), (64, 0), (None, 3), (5, 2)])
+def test_flash_attention_matches_sdpa(fused_env, window, lag):
+    if kernels.backend(fused_env)["attention"] != "flash_attn":
         pytest.skip("needs flash-attn")
-    q, k, v = (x.detach().cuda().to(torch.bfloat16).requires_grad_(True) for x in rand_qkv(T=300, hd=64))
+    T = 300 if fused_env == "cuda" else 70
+    q, k, v = (x.detach().to(fused_env, torch.bfloat16).requires_grad_(True) for x in rand_qkv(T=T, hd=64))
     got = kernels.attention(q, k, v, window=window, lag=lag, impl="flash")
     want = kernels.attention(q, k, v, window=window, lag=lag, impl="sdpa")
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     dout = torch.randn_like(got)
-    gq_flash, = torch.autograd.grad(got, q, dout)
-    gq_sdpa, = torch.autograd.grad(want, q, dout)
+    gq_flash, gk_flash = torch.autograd.grad(got, (q, k), dout)
+    gq_sdpa, gk_sdpa = torch.autograd.grad(want, (q, k), dout)
     torch.testing.assert_close(gq_flash.float(), gq_sdpa.float(), rtol=5e-2, atol=5e-2)
+    torch.testing.assert_close(gk_flash.float(), gk_sdpa.float(), rtol=5e-2, atol=5e-2)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_liger_matches_chunked():
-    if kernels.backend("cuda")["linear_cross_entropy"] != "liger":
+def test_liger_matches_chunked(fused_env):
+    if kernels.backend(fused_env)["linear_cross_entropy"] != "liger":
         pytest.skip("needs liger-kernel")
-    hidden, weight, labels = (x.cuda() for x in ce_inputs(N=512, H=64, V=1000))
+    hidden, weight, labels = (x.to(fused_env) for x in ce_inputs(N=512, H=64, V=1000))
     h1, h2 = hidden.clone().requires_grad_(True), hidden.clone().requires_grad_(True)
-    a = kernels.linear_cross_entropy(h1, weight, labels, impl="liger")
-    b = kernels.linear_cross_entropy(h2, weight, labels, impl="chunked")
+    w1, w2 = weight.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    a = kernels.linear_cross_entropy(h1, w1, labels, impl="liger")
+    b = kernels.linear_cross_entropy(h2, w2, labels, impl="chunked")
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     a.backward()
     b.backward()
     torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-4, atol=1e-5)

@@ -3,8 +3,8 @@
 Forward (draft output, draft loss, target loss, the target's K/V) and every draft gradient, across
 window, lag, per-sequence sinks, right padding and GQA (the tiny targets have 4 query heads over 2
 KV heads), on every target family. CPU: the reference kernels in fp32 against the fp64 reference at 1e-5.
-GPU (marked ``gpu``): the fused kernels (flash-attn + Liger) in bf16 and fp32 against the same
-reference.
+The fused kernels (flash-attn + Liger) in bf16 and fp32 against the same reference: on CUDA with the
+real kernels (marked ``gpu``), and on the CPU under the strict stand-ins (tests/standins).
 """
 from __future__ import annotations
 
@@ -104,38 +104,54 @@ def test_reference_is_not_blind_to_the_window_or_the_lag(family):
         assert abs(float(other - base)) > 1e-6, kw
 
 
-# ----------------------------------------------------------------------------- GPU: fused path
+# ----------------------------------------------------------------------------- fused path
+# fused_env: the real kernels on CUDA (gpu-marked), and the CPU stand-ins (tests/standins) everywhere.
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("window,lag,padded", CASES)
-def test_fused_path_matches_the_dense_reference(family, window, lag, padded, dtype):
-    """bf16: flash-attn + Liger (kernels=fused, so nothing falls back); fp32: SDPA + Liger."""
+def test_fused_path_matches_the_dense_reference(fused_env, family, window, lag, padded, dtype):
+    """bf16: flash-attn + Liger (kernels=fused, so nothing falls back); fp32: SDPA + Liger (flash-attn
+    refuses fp32; the dispatch routes it to SDPA)."""
     mode = "fused" if dtype == torch.bfloat16 else "auto"
     kernels.set_mode(mode)
+    seen = _standin_callers(fused_env)
     try:
-        chosen = kernels.backend("cuda")
+        chosen = kernels.backend(fused_env)
         assert chosen["linear_cross_entropy"] == "liger"
         target = make_tiny_target(family)
         torch.manual_seed(3)
-        model = build_glide(make_tiny_target(family), sliding_window=window, dtype=dtype).cuda()
+        model = build_glide(make_tiny_target(family), sliding_window=window, dtype=dtype).to(fused_env)
         for p in model.draft.parameters():
             torch.nn.init.normal_(p, std=0.2)
         params = draft_params(model)                              # fp64 copies on the CPU
         ids, labels, pos, mask = inputs(padded=padded)
-        dev = lambda x: None if x is None else x.cuda()           # noqa: E731
+        dev = lambda x: None if x is None else x.to(fused_env)    # noqa: E731
         out, grads, h, _ = model_outputs(model, dev(ids), dev(labels), dev(pos), lag, dev(mask))
         r_loss, r_llm, r_h, r_grads = reference(target, params, ids, labels, pos, window, lag, mask,
                                                 model.draft.config.rms_norm_eps)
     finally:
         kernels.set_mode("auto")
+    if seen is not None:      # the stand-ins were really called, from the dispatch's fused paths
+        from tests.standins import sites
+
+        assert ("kernels.py", "linear_cross_entropy") in sites(seen["liger"])
+        assert (("kernels.py", "_flash_attention") in sites(seen["flash"])) == (dtype == torch.bfloat16)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     assert abs(out["loss"].item() - r_loss.item()) <= tol * max(1.0, abs(r_loss.item()))
     assert abs(out["llm_loss"].item() - r_llm.item()) <= tol * max(1.0, abs(r_llm.item()))
     real = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
     err = (h.double().cpu() - r_h.detach())[real].norm() / r_h.detach()[real].norm()
     assert err < tol, err
+    assert set(grads) == set(r_grads)
     for name, g in grads.items():
         rel = (g.double().cpu() - r_grads[name]).norm() / r_grads[name].norm().clamp(min=1e-12)
         assert rel < (5e-2 if dtype == torch.bfloat16 else 1e-3), (name, float(rel))
+
+
+def _standin_callers(fused_env):
+    """The stand-ins' caller lists (None on a real GPU)."""
+    if fused_env == "cuda":
+        return None
+    from tests.standins import flash_attn_standin, liger_standin
+
+    return {"flash": flash_attn_standin.CALLERS, "liger": liger_standin.CALLERS}

@@ -168,17 +168,20 @@ def test_installed_hybrid_path_verifies_like_the_reference(family):
     torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.gpu
-def test_flash_prefix_matches_the_reference_on_cuda():
+def test_flash_prefix_matches_the_reference(fused_env):
+    """The prefix part on flash-attn (real on CUDA, the stand-in on CPU) merged with the tree part by
+    log-sum-exp equals one masked attention over prefix + tree."""
+    if not tree_attn.fused_available(torch.device(fused_env), torch.bfloat16):
+        pytest.skip("needs flash-attn")
     torch.manual_seed(0)
-    T, P = 21, 300
+    T, P = 21, (300 if fused_env == "cuda" else 60)
     tree = TokenTree([0])
     for i in range(1, T):
         tree.add((i - 1) // 3, 0)
-    q = torch.randn(1, 8, T, 64, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, 2, P + T, 64, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, 8, T, 64, device=fused_env, dtype=torch.bfloat16)
+    k = torch.randn(1, 2, P + T, 64, device=fused_env, dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    mask = tree.ancestor_mask("cuda")
+    mask = tree.ancestor_mask(fused_env)
     ref = tree_attn.tree_verify_attention(q.float(), k.float(), v.float(), mask, impl="reference")
     got = tree_attn.tree_verify_attention(q, k, v, mask, impl="flash")
     torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
