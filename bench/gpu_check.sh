@@ -8,7 +8,8 @@
 # 1. installs the `gpu` extra (flash-attn, liger-kernel, nvidia-ml-py) into the current Python
 #    (skipped when already importable; a failed install is recorded, the rest still runs)
 # 2. runs the gpu-marked tests: fused kernels against the reference path and against the dense
-#    GLIDE reference, forward and gradients, bf16 and fp32
+#    GLIDE reference, forward and gradients, bf16 and fp32, and the tree verify's flash-attn prefix
+#    (the same test bodies run on every CPU under the strict stand-ins of tests/standins)
 # 3. measures a GLIDE training step at 8k and 32k tokens on a Qwen2.5-7B-shaped target (random
 #    weights): tokens/s and peak memory next to the preflight's memory estimate
 set -uo pipefail
@@ -46,7 +47,8 @@ if [[ $DRY == 1 ]]; then
 else
   say "gpu-marked tests"
   timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider --junitxml="$WORK/tests.xml" \
-      tests/trainer/test_kernels.py tests/trainer/test_reference_parity.py >"$WORK/tests.log" 2>&1
+      tests/trainer/test_kernels.py tests/trainer/test_reference_parity.py tests/trainer/test_tree_decode.py \
+      >"$WORK/tests.log" 2>&1
   tests_rc=$?
   tail -n 5 "$WORK/tests.log"
   "$PY" - "$WORK/tests.xml" >"$WORK/tests.json" <<'PYEOF'

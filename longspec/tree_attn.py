@@ -78,7 +78,7 @@ def tree_verify_attention(q, k, v, tree_mask: torch.Tensor, scale: float | None 
                           impl: str = "hybrid") -> torch.Tensor:
     """q (B, nh, T, hd) tree queries; k/v (B, kvh, P + T, hd) prefix then tree keys; tree_mask (T, T)
     bool -> (B, nh, T, hd). impl: "reference" (one masked attention), "hybrid" (torch prefix part),
-    "flash" (flash-attn prefix part, CUDA fp16/bf16)."""
+    "flash" (flash-attn prefix part, CUDA fp16/bf16; KernelUnavailable elsewhere, never an fp32 call)."""
     T, S = q.shape[2], k.shape[2]
     P = S - T
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
@@ -90,6 +90,11 @@ def tree_verify_attention(q, k, v, tree_mask: torch.Tensor, scale: float | None 
     if P == 0:
         return out_t.to(q.dtype)
     if impl == "flash":
+        from longspec import kernels
+
+        why_not = kernels.flash_unusable(q.device, q.dtype)
+        if why_not:
+            raise kernels.KernelUnavailable(f"tree attention: flash-attn prefix requested but not usable ({why_not})")
         out_p, lse_p = _flash_prefix(q, k[:, :, :P], v[:, :, :P], scale)
     else:
         out_p, lse_p = _part(q, k[:, :, :P], v[:, :, :P], None, scale)
@@ -98,17 +103,19 @@ def tree_verify_attention(q, k, v, tree_mask: torch.Tensor, scale: float | None 
     return out.to(q.dtype)
 
 
-def fused_available(device: torch.device) -> bool:
+def fused_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether flash-attn can compute the prefix part here: CUDA, installed, fp16/bf16 (it refuses
+    fp32). The same predicate as kernels.attention's (kernels.flash_unusable)."""
     from longspec import kernels
 
-    return kernels.fused_device(device) and kernels._flash_attn_func() is not None
+    return kernels.flash_unusable(device, dtype) is None
 
 
 def setup_verify(model, device: torch.device, dtype: torch.dtype) -> str:
     """Route ``model``'s tree verify through the hybrid path where flash-attn can compute the prefix
     part; the verify backend for eval.json: "flash_attn" (flash prefix merged with the exact tree
-    part) or "exact" (the model's own attention with the tree mask, nothing approximated)."""
-    if fused_available(device):
+    part) or "exact" (the model's own attention with the tree mask: fp32, CPU, no flash-attn)."""
+    if fused_available(device, dtype):
         install(model)
         return "flash_attn"
     return "exact"
@@ -116,9 +123,7 @@ def setup_verify(model, device: torch.device, dtype: torch.dtype) -> str:
 
 def verify_impl(device: torch.device, dtype: torch.dtype) -> str:
     """The tree_verify_attention impl an installed model uses: "flash" or "hybrid" (torch prefix)."""
-    from longspec import kernels
-
-    return "flash" if kernels.fused_device(device) else "hybrid"
+    return "flash" if fused_available(device, dtype) else "hybrid"
 
 
 # ----------------------------------------------------------------------------- transformers hook

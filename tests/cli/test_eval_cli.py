@@ -254,6 +254,7 @@ def test_eval_on_a_finished_tiny_stage(tiny_project):
     assert ev["method"] == "chain" and ev["tau"] == chain["tau"] and ev["temperature"] == 0
     assert tree["tree_shape"] == [4, 16, 16, 16, 16] and tree["lossless"] is True and 1.0 <= tree["tau"] <= 6.0
     assert tree["target_tokens_per_s"] == chain["target_tokens_per_s"] and tree["speedup"] > 0
+    assert ev["backend"] == {"draft_attention": "sdpa", "tree_verify": "exact"}    # CPU fp32: no flash-attn
 
     table = runner.invoke(app, ["eval", str(root), "base", "--num-prompts", "1", "--max-new-tokens", "8",
                                 "--gamma", "2", "--method", "tree", "--tree-shape", "2", "3", "2"])

@@ -104,3 +104,23 @@ def test_verify_backend_follows_dtype_and_device(fused_standins):
     assert tree_attn.verify_impl(CPU, torch.bfloat16) == "flash"
     assert tree_attn.verify_impl(CPU, torch.float32) == "hybrid"
     assert tree_attn.setup_verify(model, torch.device("meta"), torch.bfloat16) == "exact"   # no fused device
+
+
+def test_the_dispatch_routes_fp32_away_from_flash(fused_standins):
+    """kernels.attention under the stand-ins: bf16 takes flash-attn, fp32 the SDPA path (auto) or a
+    clear refusal (fused); neither ever hands fp32 to flash-attn."""
+    from tests.trainer.test_kernels import rand_qkv
+
+    assert kernels.backend(CPU) == {"attention": "flash_attn", "linear_cross_entropy": "liger"}
+    q, k, v = rand_qkv(T=12, dtype=torch.float32)
+    kernels.attention(q, k, v, window=3)
+    assert fused_standins.flash.CALLERS == []
+    kernels.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), window=3)
+    assert sites(fused_standins.flash.CALLERS) == {("kernels.py", "_flash_attention")}
+    kernels.set_mode("fused")
+    try:
+        with pytest.raises(kernels.KernelUnavailable, match="fp16 or bf16"):
+            kernels.attention(q, k, v, window=3)
+    finally:
+        kernels.set_mode("auto")
+    assert len(fused_standins.flash.CALLERS) == 1
