@@ -519,7 +519,7 @@ def evaluate(args: argparse.Namespace, log=None) -> dict:
             raise EvalError(f"baseline draft not found: {args.baseline_draft}", 2)
         baseline = load_baseline(args.baseline_draft, gdraft, dtype, device)
     from longspec import kernels, tree_attn   # what each attention runs on, for eval.json's `backend`
-    backend = {"draft_attention": "sdpa" if kernels.flash_unusable(device, dtype) else "flash_attn",
+    backend = {"draft_attention": kernels.backend(device, dtype)["attention"],
                "tree_verify": tree_attn.setup_verify(model, device, dtype) if "tree" in args.method else None}
     figures = measure(model, tw, gdraft, prompts, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
                       eos_token_id=eos, device=device, log=log, baseline=baseline, methods=tuple(args.method),

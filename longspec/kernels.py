@@ -96,9 +96,10 @@ def flash_unusable(device: torch.device | str, dtype: torch.dtype) -> str | None
     return None
 
 
-def backend(device: torch.device | str | None = None) -> dict[str, str]:
+def backend(device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> dict[str, str]:
     """Which implementation each op uses on ``device`` (default: cuda if present) under the
-    current mode, for logs. Raises KernelUnavailable in ``fused`` mode when one cannot run."""
+    current mode, for logs; ``dtype``, where known, is the attention's (flash-attn refuses fp32:
+    "sdpa" then). Raises KernelUnavailable in ``fused`` mode when one cannot run."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     on_cuda = fused_device(device)
@@ -111,6 +112,7 @@ def backend(device: torch.device | str | None = None) -> dict[str, str]:
         raise KernelUnavailable(
             f"kernels = fused but {where}; install the gpu extra (pip install 'longspec[gpu]') "
             "on a CUDA machine, or set kernels=auto (fused where possible) or kernels=reference")
+    flash = flash and (dtype is None or flash_unusable(device, dtype) is None)
     return {
         "attention": "flash_attn" if flash else "sdpa",
         "linear_cross_entropy": "liger" if liger else "chunked",

@@ -429,7 +429,7 @@ class Session:
         device = "cpu" if self.on_cpu else accel.device_name()
         on_cuda = device.startswith("cuda")
         try:
-            chosen = kernels.backend(device if on_cuda else "cpu")
+            chosen = kernels.backend(device if on_cuda else "cpu", getattr(torch, DTYPES[self.conf["precision"]]))
         except kernels.KernelUnavailable as e:
             raise TrainError(str(e)) from None
         if on_cuda:

@@ -112,6 +112,8 @@ def test_the_dispatch_routes_fp32_away_from_flash(fused_standins):
     from tests.trainer.test_kernels import rand_qkv
 
     assert kernels.backend(CPU) == {"attention": "flash_attn", "linear_cross_entropy": "liger"}
+    assert kernels.backend(CPU, torch.bfloat16)["attention"] == "flash_attn"
+    assert kernels.backend(CPU, torch.float32) == {"attention": "sdpa", "linear_cross_entropy": "liger"}
     q, k, v = rand_qkv(T=12, dtype=torch.float32)
     kernels.attention(q, k, v, window=3)
     assert fused_standins.flash.CALLERS == []
