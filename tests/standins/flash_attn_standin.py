@@ -2,7 +2,7 @@
 
 Written from the library's own source, at the minimum version longspec pins (flash-attn>=2.6:
 tag v2.6.0, commit da11d1b8) and at its current release (tag v2.8.3.post1, commit a8aa52b1; main at
-0251105a leaves every line below unchanged). Paths are in the Dao-AILab/flash-attention repository;
+0251105a has the same checks and rules a few lines further down; PyPI's 2.8.3.post2 was not read). Paths are in the Dao-AILab/flash-attention repository;
 "interface" is flash_attn/flash_attn_interface.py, "api" csrc/flash_attn/flash_api.cpp; line numbers
 are given as v2.6.0 / v2.8.3.post1.
 

@@ -2,16 +2,16 @@
 tests only.
 
 Written from the library's own source, at the minimum version longspec pins (liger-kernel>=0.5:
-tag v0.5.0, commit 37ffbe9d) and at its current release (tag v0.8.2, commit 000be609; main at
-ead96b61 leaves these files unchanged). Paths are in the linkedin/Liger-Kernel repository, under
+tag v0.5.0, commit 37ffbe9d) and at the newest release whose source was at hand (tag v0.8.2, commit
+000be609; main at ead96b61 leaves these files unchanged; PyPI's newest, 0.8.5, was not read). Paths are in the linkedin/Liger-Kernel repository, under
 src/liger_kernel/; line numbers as v0.5.0 / v0.8.2.
 
 - ``forward(self, lin_weight, _input, target, bias=None)``: the lm_head weight (V, H) FIRST, then
   the hidden states (BT, H), then the labels (BT,): transformers/fused_linear_cross_entropy.py
-  :37 / :46; the Function receives (_input, lin_weight, ...) in the other order (:38-39 / :47-49).
+  :37 / :46; the Function receives (_input, lin_weight, ...) in the other order (:38-40 / :47-49).
 - Logits ``_input @ weight.t()`` "in the original precision" (ops/fused_linear_cross_entropy.py
-  :65 / :115): hidden and weight of different dtypes fail in that matmul; the loss itself is
-  accumulated in fp32 (``loss_1d`` fp32, :54 / :87).
+  :65 / :114): hidden and weight of different dtypes fail in that matmul; the loss itself is
+  accumulated in fp32 (``loss_1d`` fp32, :54 / :86).
 - ``ignore_index=-100`` by default (transformers :13 / :13); ``reduction="mean"`` (:16 / :16)
   divides by the number of labels != ignore_index over the whole batch (ops :57 with the per-chunk
   ``alpha`` :108-113 / ops :92-93 passed as ``n_non_ignore`` to ops/cross_entropy.py :226-227).
