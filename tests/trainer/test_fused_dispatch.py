@@ -69,7 +69,6 @@ def test_hybrid_verify_logits_match_the_models_own_attention(family, fused_stand
     assert ("tree_attn.py", "_flash_prefix") in sites(fused_standins.flash.CALLERS)
     scale = outs[0].abs().max()
     torch.testing.assert_close(outs[1] / scale, outs[0] / scale, atol=3e-2, rtol=0)
-    assert not torch.equal(outs[1], outs[0]) or dtype == torch.float16   # really another computation
 
 
 def test_fp32_tree_verify_takes_the_exact_path(family, fused_standins):
