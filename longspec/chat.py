@@ -15,11 +15,13 @@ generation header are not. The split comes from rendering, never from guessing t
   refused    a template whose rendered turn shows no end of turn after the sentinel: a
              ChatError naming the template (the caller adds file:line).
 
-Several assistant turns are split in order; the text between two answers is what the template
-renders for the turns in between (untrained). When the template re-renders earlier turns
-differently once later turns exist (Mistral moves the system text into the last user turn), the
-sequence restarts from the later prompt and the earlier answers become untrained context; the
-count is kept (`restarts`) so that `prepare --show` can say so.
+Several assistant turns: the sequence is the template's own prompt for the last answer (the
+whole history as the target reads it before that answer) followed by the last answer and its
+end. The earlier answers inside that history are trained as the template shows them there
+(QwQ-32B drops their reasoning, Qwen3 their empty think block), each with its end of turn; they
+are found by rendering the same history with sentinel answers. A template that does not show
+earlier answers that way leaves them untrained context, counted (`untrained_answers`) so that
+`prepare --show` can say so.
 
 `split_chat` is the one public entry: prompt / answer pieces for a conversation, used by the
 stage collators (longspec.data) and by evaluation prompts.
@@ -42,7 +44,7 @@ class ChatError(ValueError):
 @dataclass
 class ChatSplit:
     pieces: list[tuple[str, str]] = field(default_factory=list)   # (text, kind) in order
-    restarts: int = 0           # earlier answers turned into context (template re-rendered them)
+    untrained_answers: int = 0  # earlier answers the template hides: left as context
     kept_whole: int = 0         # answers the template rewrote: the record's text + its end of turn
 
     @property
@@ -82,34 +84,60 @@ def end_of_turn(tokenizer, before: list[dict], **template_kwargs) -> str:
 
 def split_chat(tokenizer, messages: list[dict], **template_kwargs) -> ChatSplit:
     """Prompt / answer / end-of-turn pieces of a conversation with at least one assistant turn,
-    each assistant turn split by the rule above. Keyword arguments reach the template
-    (e.g. enable_thinking=False for Qwen3)."""
+    split by the rule above; turns after the last answer are left out (nothing to train).
+    Keyword arguments reach the template (e.g. enable_thinking=False for Qwen3)."""
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not turns:
         raise ChatError("the conversation has no assistant turn to train")
+    last = turns[-1]
     out = ChatSplit()
-    emitted = ""          # the text of the pieces so far
-    reference = ""        # the template's own rendering of the conversation up to the last answer
-    for k in turns:
-        before = messages[:k]
-        head = render(tokenizer, before, True, **template_kwargs)
-        if head.startswith(reference) and reference:
-            context = head[len(reference):]
-        elif head.startswith(emitted):
-            context = head[len(emitted):]
-        else:                                     # earlier turns re-rendered: restart from here
-            out.restarts += sum(1 for _, kind in out.pieces if kind == "answer")
-            out.pieces, emitted, context = [], "", head
-        answer = messages[k]["content"]
-        full = render(tokenizer, messages[:k + 1], **template_kwargs)
-        tail = full[len(head):] if full.startswith(head) else None
-        if tail is not None and tail.startswith(answer) and tail[len(answer):].strip():
-            end = tail[len(answer):]
-        else:
-            end = end_of_turn(tokenizer, before, **template_kwargs)
-            out.kept_whole += 1
-        new = [(context, "prompt"), (answer, "answer"), (end, "end")]
-        out.pieces += [p for p in new if p[0]]
-        emitted += context + answer + end
-        reference = full
+    head = render(tokenizer, messages[:last], True, **template_kwargs)
+    out.pieces = _history(tokenizer, messages, turns[:-1], head, out, **template_kwargs)
+    answer = messages[last]["content"]
+    full = render(tokenizer, messages[:last + 1], **template_kwargs)
+    tail = full[len(head):] if full.startswith(head) else None
+    if tail is not None and tail.startswith(answer) and tail[len(answer):].strip():
+        end = tail[len(answer):]
+    else:
+        end = end_of_turn(tokenizer, messages[:last], **template_kwargs)
+        out.kept_whole += 1
+    out.pieces += [(answer, "answer"), (end, "end")]
     return out
+
+
+def _history(tokenizer, messages, earlier: list[int], head: str, out: ChatSplit,
+             **template_kwargs) -> list[tuple[str, str]]:
+    """The last answer's prompt cut into pieces: earlier answers (as the template shows them in
+    the history: QwQ-32B without their reasoning) and their ends are trained, the rest is not.
+    They are found by rendering the same history with sentinel answers; where the template does
+    not show them that way, the whole prompt is context (counted in `untrained_answers`)."""
+    if not earlier:
+        return [(head, "prompt")]
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    marked = [dict(m) for m in messages[:last]]
+    for n, i in enumerate(earlier):
+        marked[i]["content"] = f"{SENTINEL}{n}Z"
+    rest, contexts = render(tokenizer, marked, True, **template_kwargs), []
+    for n in range(len(earlier)):
+        before, sep, rest = rest.partition(f"{SENTINEL}{n}Z")
+        if not sep:
+            return _as_context(head, earlier, out)
+        contexts.append(before)
+    contexts.append(rest)                 # after the last earlier answer, up to the generation prompt
+    if not (head.startswith(contexts[0]) and head.endswith(contexts[-1])):
+        return _as_context(head, earlier, out)
+    pieces, pos = [(contexts[0], "prompt")], len(contexts[0])
+    for n, i in enumerate(earlier):
+        nxt = contexts[n + 1]
+        at = head.find(nxt, pos) if n + 1 < len(earlier) else len(head) - len(nxt)
+        end = end_of_turn(tokenizer, messages[:i], **template_kwargs)
+        if at < pos or not nxt.startswith(end):
+            return _as_context(head, earlier, out)
+        pieces += [(head[pos:at], "answer"), (end, "end"), (nxt[len(end):], "prompt")]
+        pos = at + len(nxt)
+    return [p for p in pieces if p[0]]
+
+
+def _as_context(head: str, earlier: list[int], out: ChatSplit) -> list[tuple[str, str]]:
+    out.untrained_answers += len(earlier)
+    return [(head, "prompt")]
