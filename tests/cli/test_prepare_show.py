@@ -3,6 +3,7 @@ whose target carries QwQ-32B's published chat template (tests/trainer/templates/
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -115,3 +116,14 @@ def test_show_json_under_qwq_32b_template(projects):
     res = cli("prepare", str(projects["qwq"]), "longcot", "--show", "1")
     assert res.returncode == 0 and "no end of turn trained" in res.stdout
     assert "<think>\n[" in res.stdout                               # the answer starts after the header
+
+
+def test_validate_warns_from_the_cache_when_answers_lose_their_end_of_turn(projects):
+    proj = projects["demo"]
+    assert "end-of-turn token is not trained" not in cli("validate", str(proj)).stdout   # no cache: no look
+    res = cli("prepare", str(proj), "long", "longcot")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rep = json.loads(cli("validate", str(proj), "--json").stdout)
+    warns = [p for p in rep["problems"] if p["severity"] == "warning" and "end-of-turn" in p["message"]]
+    assert len(warns) == 1 and warns[0]["file"].endswith("longcot.yaml")            # 512 tokens cut stage 3
+    assert re.search(r"\d+ of the first 64 records are chats", warns[0]["message"])
