@@ -53,6 +53,13 @@ class ChatSplit:
         last = max(i for i, (_, k) in enumerate(self.pieces) if k == "answer")
         return "".join(t for t, _ in self.pieces[:last])
 
+    def token_ids(self, tokenizer) -> tuple[list[int], list[int]]:
+        """(prompt ids, last answer + end-of-turn ids), tokenized piece by piece as the trainer
+        tokenizes them (the template's special tokens are in the text: none are added)."""
+        last = max(i for i, (_, k) in enumerate(self.pieces) if k == "answer")
+        ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t, _ in self.pieces]
+        return [i for p in ids[:last] for i in p], [i for p in ids[last:] for i in p]
+
 
 def template_name(tokenizer) -> str:
     """A short name for messages: the tokenizer's folder."""

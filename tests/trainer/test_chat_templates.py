@@ -148,6 +148,16 @@ def test_qwq_earlier_answer_is_trained_as_the_history_shows_it(tiny):
     assert split.prompt == tok.apply_chat_template(conv[:3], tokenize=False, add_generation_prompt=True)
 
 
+@pytest.mark.parametrize("case", ["qwq-32b", "llama-3.1", "mistral"])
+def test_split_chat_gives_evaluation_the_trainers_prompt_and_answer_ids(tmp_path, tiny, case):
+    tok = make_tok(tiny, case)
+    conv = [{"role": "user", "content": "add the numbers 2 , 3 ."}, {"role": "assistant", "content": REASONING}]
+    prompt, answer = split_chat(tok, conv).token_ids(tok)
+    ids, labels = encode(tmp_path, tok, {"problem": conv[0]["content"], "qwq": REASONING}, "long_cot")
+    assert prompt + answer == ids and labels[len(prompt):] == answer
+    assert prompt == ids_of(tok, tok.apply_chat_template(conv[:1], tokenize=False, add_generation_prompt=True))
+
+
 def test_template_without_an_end_of_turn_is_refused_with_file_line_and_template(tmp_path, tiny):
     tok = make_tok(tiny, "tiny-chatml")
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
