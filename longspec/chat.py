@@ -68,8 +68,10 @@ def template_name(tokenizer) -> str:
 
 def render(tokenizer, messages: list[dict], generation_prompt: bool = False, **template_kwargs) -> str:
     """The tokenizer's own chat template (transformers' apply_chat_template), as text."""
-    if not getattr(tokenizer, "chat_template", None):
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+    if not getattr(tokenizer, "chat_template", None):       # a plain format; answers end with EOS
+        eos = tokenizer.eos_token or ""
+        text = "".join(f"{m['role']}: {m['content']}{eos if m['role'] == 'assistant' else ''}\n"
+                       for m in messages)
         return text + ("assistant: " if generation_prompt else "")
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False,

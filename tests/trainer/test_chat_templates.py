@@ -165,3 +165,11 @@ def test_template_without_an_end_of_turn_is_refused_with_file_line_and_template(
     path.write_text(json.dumps({"problem": "q .", "qwq": "a ."}) + "\n" + json.dumps({"problem": "q", "qwq": "b"}))
     with pytest.raises(DataError, match=r"d\.jsonl:1: .*chat template gives no end of turn"):
         build_dataset(path, tok, "long_cot", 128)
+
+
+def test_a_tokenizer_without_a_template_ends_answers_with_its_eos(tmp_path, tiny):
+    tok = make_tok(tiny, "tiny-chatml")
+    tok.chat_template, tok.eos_token = None, "<|im_end|>"
+    ids, labels = encode(tmp_path, tok, {"problem": "q .", "qwq": "a ."}, "long_cot")
+    assert tok.decode(ids) == "user: q .\nassistant: a .<|im_end|>\n"
+    assert [tok.decode(r) for r in trained_runs(ids, labels)] == ["a .<|im_end|>\n"]
