@@ -135,11 +135,12 @@ def _history(tokenizer, messages, earlier: list[int], head: str, out: ChatSplit,
     contexts.append(rest)                 # after the last earlier answer, up to the generation prompt
     if not (head.startswith(contexts[0]) and head.endswith(contexts[-1])):
         return _as_context(head, earlier, out)
-    pieces, pos = [(contexts[0], "prompt")], len(contexts[0])
+    pieces, pos, end = [(contexts[0], "prompt")], len(contexts[0]), None
     for n, i in enumerate(earlier):
         nxt = contexts[n + 1]
         at = head.find(nxt, pos) if n + 1 < len(earlier) else len(head) - len(nxt)
-        end = end_of_turn(tokenizer, messages[:i], **template_kwargs)
+        if end is None or not nxt.startswith(end):      # most templates end every turn alike
+            end = end_of_turn(tokenizer, messages[:i], **template_kwargs)
         if at < pos or not nxt.startswith(end):
             return _as_context(head, earlier, out)
         pieces += [(head[pos:at], "answer"), (end, "end"), (nxt[len(end):], "prompt")]
