@@ -133,7 +133,7 @@ def run(cfg) -> dict:
 
 
 def guarded(cfg) -> int:
-    from longspec import dsconfig, train
+    from longspec import dsconfig, prepare, train
     from longspec.data import DataError
 
     try:
@@ -147,7 +147,7 @@ def guarded(cfg) -> int:
             message = str(e)
         else:
             raise
-        code = 3 if isinstance(e, DataError) else train.EXIT_ERROR
+        code = prepare.EXIT_INPUT if isinstance(e, DataError) else train.EXIT_ERROR
         if FLAGS["json"]:
             print(json.dumps({"error": message, "exit_code": code}), flush=True)
         train.report_error(message)
