@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 SENTINEL = "LONGSPECSENTINELANSWER"
 # Piece kinds: "prompt" (system, user, default system text, headers) is not trained; "answer" and
 # "end" (the end-of-turn text) are.
-TRAINED_KINDS = ("answer", "end")
 
 
 class ChatError(ValueError):
