@@ -1,19 +1,15 @@
-"""Training data: JSON/JSONL readers, one encoder ("collator") per stage, padding, loaders.
+"""Training data: JSON/JSONL readers, the label rule, padding, loaders.
 
 A sample is {"input_ids": (T,) long, "labels": (T,) long}; labels[t] is input_ids[t] where the
 token is trained and -100 where it is not (unshifted, Hugging Face style: the loss shifts).
 
-Collators (the `data.collator` key):
-  short_text  stage 1: `text` (or upstream's `target`); every token trained.
-  long_data   stage 2: upstream `source` kinds (code/book -> `text`, arxiv -> `article` +
-              `abstract`, tulu-v2 -> `conversation`) and plain `messages` chats; chats go
-              through the tokenizer's chat template; every token trained ("no-mask").
-  long_cot    stage 3: `problem` + `qwq` (QwQ-LongCoT) or `prompt` + `response`; the prompt is
-              a user turn through the chat template and is not trained, the answer is.
-Plain documents end with the tokenizer's EOS (cut off by truncation); chat renders end with the
-template's own end-of-turn token. Labels drop the pad token only, as the reference trainer does
-(`labels == pad_token_id -> -100`): end-of-turn tokens such as `<|im_end|>` are trained, and a
-tokenizer whose EOS is its pad (Qwen's `<|endoftext|>`) leaves the document end untrained.
+The collators (the `data.collator` key: short_text, long_data, long_cot) live in
+longspec.collators; what a chat record trains (answers and their end of turn, never system,
+user or header text) in longspec.chat. Plain stage-1 documents end with the tokenizer's EOS
+(upstream's `text + eos_token`); stage-2 code/book documents get none, as upstream. Labels also
+drop the pad token, as the reference trainer does (`labels == pad_token_id -> -100`): end-of-turn
+tokens such as `<|im_end|>` are trained, and a tokenizer whose EOS is its pad (Qwen's
+`<|endoftext|>`) leaves the document end untrained.
 """
 
 from __future__ import annotations
@@ -28,10 +24,12 @@ from typing import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from longspec.collators import ENCODERS, RecordError  # noqa: F401  (RecordError: re-exported)
+
 IGNORE = -100
 # Bump whenever the tokens or labels a collator produces change: prepared caches made by an
 # older rule are then rebuilt (it is part of their key).
-COLLATOR_VERSION = 2
+COLLATOR_VERSION = 3
 COLLATORS = ("short_text", "long_data", "long_cot")
 BAD_RECORD_MODES = ("error", "skip")
 _KEEP_PROBLEMS = 20  # skipped-record messages kept for the log
@@ -40,10 +38,6 @@ ARRAY_CHUNK = 1 << 20  # characters a JSON array file is read by
 
 class DataError(ValueError):
     """Training data that cannot be used; the message names the file (and line)."""
-
-
-class RecordError(ValueError):
-    """One record that does not fit its collator (becomes DataError("file:line: ...") or a skip)."""
 
 
 # --------------------------------------------------------------------------- reading
@@ -179,104 +173,7 @@ def _array_items(path: Path, f):
         i = skip_ws(i + 1)
 
 
-# --------------------------------------------------------------------------- fields
-
-def _field(rec: dict, name: str, kinds=(str,), what: str = "a string"):
-    if name not in rec:
-        raise RecordError(f"missing field '{name}'")
-    value = rec[name]
-    if not isinstance(value, kinds):
-        raise RecordError(f"field '{name}' must be {what}, not {type(value).__name__}")
-    return value
-
-
-_ROLE_ALIASES = {"human": "user", "gpt": "assistant", "model": "assistant"}
-
-
-def _messages(rec: dict, name: str) -> list[dict]:
-    turns = _field(rec, name, (list,), "a list of turns")
-    out = []
-    for i, t in enumerate(turns):
-        if isinstance(t, dict) and "from" in t and "value" in t:  # ShareGPT spelling
-            t = {"role": t["from"], "content": t["value"]}
-        if not (isinstance(t, dict) and isinstance(t.get("role"), str)
-                and isinstance(t.get("content"), str)):
-            raise RecordError(f"field '{name}' turn {i}: needs string 'role' and 'content'")
-        out.append({"role": _ROLE_ALIASES.get(t["role"], t["role"]), "content": t["content"]})
-    if not out:
-        raise RecordError(f"field '{name}' is an empty conversation")
-    return out
-
-
-def _render_chat(tokenizer, messages: list[dict], generation_prompt: bool = False) -> str:
-    if getattr(tokenizer, "chat_template", None):
-        try:
-            return tokenizer.apply_chat_template(messages, tokenize=False,
-                                                 add_generation_prompt=generation_prompt)
-        except Exception as e:  # jinja raises its own errors (e.g. role order)
-            raise RecordError(f"chat template failed: {e}") from None
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-    return text + ("assistant: " if generation_prompt else "")
-
-
-# --------------------------------------------------------------------------- encoders
-# Each returns (pieces, plain): pieces are (text, trained) in order; plain text documents get
-# the tokenizer's own special tokens (a BOS for Llama), chat renders carry theirs already.
-
-def _short_text(rec: dict, tokenizer):
-    name = "text" if "text" in rec or "target" not in rec else "target"
-    return [(_field(rec, name), True)], True
-
-
-LONG_SOURCES = ("code", "book", "arxiv", "tulu-v2")
-
-
-def _long_data(rec: dict, tokenizer):
-    source = rec.get("source")
-    if source in ("code", "book") or (source not in LONG_SOURCES and "text" in rec):
-        return [(_field(rec, "text"), True)], True
-    if source == "arxiv" or (source is None and "article" in rec):
-        article = _field(rec, "article", (str, list), "a string or a list of strings")
-        abstract = _field(rec, "abstract", (str, list), "a string or a list of strings")
-        articles = [article] if isinstance(article, str) else article
-        abstracts = [abstract] if isinstance(abstract, str) else abstract
-        if len(articles) != len(abstracts) or not articles or not all(
-                isinstance(x, str) for x in articles + abstracts):
-            raise RecordError("fields 'article' and 'abstract' must be strings or equal-length "
-                              "lists of strings")
-        msgs = []
-        for art, abs_ in zip(articles, abstracts):
-            msgs += [{"role": "user", "content": f"Summarize this article.\n\n{art}"},
-                     {"role": "assistant", "content": abs_}]
-        return [(_render_chat(tokenizer, msgs), True)], False
-    if source == "tulu-v2" or (source is None and ("conversation" in rec or "messages" in rec)):
-        name = "conversation" if "conversation" in rec or "messages" not in rec else "messages"
-        return [(_render_chat(tokenizer, _messages(rec, name)), True)], False
-    if source is None:
-        raise RecordError("missing field 'source' (or one of 'text', 'article', 'conversation', "
-                          "'messages')")
-    raise RecordError(f"unknown source {source!r} without a 'text' field; known sources: "
-                      f"{', '.join(LONG_SOURCES)}")
-
-
-def _long_cot(rec: dict, tokenizer):
-    if "problem" in rec or "qwq" in rec:
-        prompt, answer = _field(rec, "problem"), _field(rec, "qwq")
-    elif "prompt" in rec or "response" in rec:
-        prompt, answer = _field(rec, "prompt"), _field(rec, "response")
-    else:
-        raise RecordError("missing fields: needs 'problem' + 'qwq' or 'prompt' + 'response'")
-    user = [{"role": "user", "content": prompt}]
-    head = _render_chat(tokenizer, user, generation_prompt=True)
-    full = _render_chat(tokenizer, user + [{"role": "assistant", "content": answer}])
-    # The answer part is what the template adds after the generation prompt (the turn end
-    # included); a template that rewrites the answer (drops reasoning) falls back to the raw text.
-    tail = full[len(head):] if full.startswith(head) and answer in full[len(head):] else answer
-    return [(head, False), (tail, True)], False
-
-
-ENCODERS = {"short_text": _short_text, "long_data": _long_data, "long_cot": _long_cot}
-
+# --------------------------------------------------------------------------- encoding
 
 def label_pad_id(tokenizer) -> int | None:
     """The one token id labels never train: the tokenizer's pad, or its EOS when it has none
@@ -285,15 +182,27 @@ def label_pad_id(tokenizer) -> int | None:
     return tokenizer.eos_token_id if pad is None else pad
 
 
-def encode_record(rec: dict, tokenizer, collator: str,
-                  max_seq_length: int) -> tuple[list[int], list[bool]]:
-    """Token ids and their trained flags for one record (RecordError if it does not fit)."""
-    pieces, plain = ENCODERS[collator](rec, tokenizer)
-    toks = [tokenizer(text, add_special_tokens=plain and i == 0)["input_ids"]
-            for i, (text, _) in enumerate(pieces)]
-    ids, trained, _ = assemble(pieces, toks, plain, tokenizer.eos_token_id, label_pad_id(tokenizer),
-                               max_seq_length)
+def _encode_plan(rec: dict, tokenizer, collator: str):
+    """A record's pieces and how each is tokenized: (pieces, add_eos, [special tokens per piece])."""
+    pieces, plain, add_eos = ENCODERS[collator](rec, tokenizer)
+    return pieces, add_eos, [plain and i == 0 for i in range(len(pieces))]
+
+
+def encode_record(rec: dict, tokenizer, collator: str, max_seq_length: int,
+                  kinds: list[str] | None = None) -> tuple[list[int], list[bool]]:
+    """Token ids and their trained flags for one record (RecordError if it does not fit);
+    `kinds`, when given, receives each kept token's piece kind (longspec.collators)."""
+    ids, trained, _ = encode_full(rec, tokenizer, collator, max_seq_length, kinds)
     return ids, trained
+
+
+def encode_full(rec: dict, tokenizer, collator: str, max_seq_length: int,
+                kinds: list[str] | None = None) -> tuple[list[int], list[bool], int]:
+    """encode_record plus the length before the prompt cap and truncation."""
+    pieces, add_eos, special = _encode_plan(rec, tokenizer, collator)
+    toks = [tokenizer(text, add_special_tokens=sp)["input_ids"] for (text, _), sp in zip(pieces, special)]
+    return assemble(pieces, toks, add_eos, tokenizer.eos_token_id, label_pad_id(tokenizer),
+                    max_seq_length, kinds)
 
 
 def encode_records(recs: list[dict], tokenizer, collator: str,
@@ -304,16 +213,15 @@ def encode_records(recs: list[dict], tokenizer, collator: str,
     texts: dict[bool, list[str]] = {True: [], False: []}
     for rec in recs:
         try:
-            pieces, plain = ENCODERS[collator](rec, tokenizer)
+            pieces, add_eos, special = _encode_plan(rec, tokenizer, collator)
         except RecordError as e:
             rendered.append(e)
             continue
         slots = []
-        for i, (text, _) in enumerate(pieces):
-            special = plain and i == 0
-            slots.append((special, len(texts[special])))
-            texts[special].append(text)
-        rendered.append((pieces, plain, slots))
+        for (text, _), sp in zip(pieces, special):
+            slots.append((sp, len(texts[sp])))
+            texts[sp].append(text)
+        rendered.append((pieces, add_eos, slots))
     encoded = {special: tokenizer(batch, add_special_tokens=special)["input_ids"] if batch else []
                for special, batch in texts.items()}
     eos, pad = tokenizer.eos_token_id, label_pad_id(tokenizer)
@@ -322,33 +230,40 @@ def encode_records(recs: list[dict], tokenizer, collator: str,
         if isinstance(item, RecordError):
             out.append(item)
             continue
-        pieces, plain, slots = item
+        pieces, add_eos, slots = item
         try:
-            out.append(assemble(pieces, [encoded[s][j] for s, j in slots], plain, eos, pad, max_seq_length))
+            out.append(assemble(pieces, [encoded[s][j] for s, j in slots], add_eos, eos, pad, max_seq_length))
         except RecordError as e:
             out.append(e)
     return out
 
 
-def assemble(pieces, toks: list[list[int]], plain: bool, eos: int | None, pad: int | None,
-             max_seq_length: int) -> tuple[list[int], list[bool], int]:
-    """The one label rule: pieces' tokens in order, prompt capped, EOS appended to plain text (a
-    document boundary, as the reference adds), only the pad token untrained, truncated.
-    Returns (ids, trained, length before truncation)."""
+def assemble(pieces, toks: list[list[int]], add_eos: bool, eos: int | None, pad: int | None,
+             max_seq_length: int, kinds: list[str] | None = None) -> tuple[list[int], list[bool], int]:
+    """The one label rule: pieces' tokens in order, prompt pieces capped, EOS appended where the
+    collator asks (a document boundary, as the reference adds), "prompt" pieces and the pad token
+    untrained, truncated. Returns (ids, trained, length before the prompt cap and truncation)."""
     ids: list[int] = []
     trained: list[bool] = []
-    for (_, tr), piece in zip(pieces, toks):
-        if not tr and len(pieces) > 1:
+    kind_of: list[str] = []
+    full = 0
+    for (_, kind), piece in zip(pieces, toks):
+        full += len(piece)
+        if kind == "prompt":
             piece = _cap_prompt(piece, max_seq_length)
         ids += piece
-        trained += [tr] * len(piece)
-    if plain and eos is not None and (not ids or ids[-1] != eos):
+        trained += [kind != "prompt"] * len(piece)
+        kind_of += [kind] * len(piece)
+    if add_eos and eos is not None and (not ids or ids[-1] != eos):
         ids.append(eos)                               # a document boundary, as the reference adds
         trained.append(True)
+        kind_of.append("text")
+        full += 1
     if pad is not None:
         trained = [t and tok != pad for tok, t in zip(ids, trained)]
-    full = len(ids)
     ids, trained = ids[:max_seq_length], trained[:max_seq_length]
+    if kinds is not None:
+        kinds[:] = kind_of[:max_seq_length]
     if not any(trained):
         raise RecordError(f"no trained tokens within max_seq_length={max_seq_length}")
     return ids, trained, full

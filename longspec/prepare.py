@@ -196,12 +196,23 @@ def build(train_file: Path, target: str, fields: dict, folder: Path, tokenizer, 
            "trained_tokens": counts["trained_tokens"], "truncated": counts["truncated"],
            "skipped": len(problems), "problems": problems[:data._KEEP_PROBLEMS],
            "histogram": [[1 if b == 0 else (1 << (b - 1)) + 1, 1 << b, hist[b]] for b in sorted(hist)],
-           "files": files, "seconds": round(time.monotonic() - t0, 3), "created_at": time.time()}
+           "files": files, "seconds": round(time.monotonic() - t0, 3), "created_at": time.time(),
+           "chat_check": _chat_check(train_file, tokenizer, opts)}
     from longspec_cli.core.atomic import atomic_write_json
 
     atomic_write_json(folder / P.MANIFEST, man)       # the commit point
     _clean_strays(folder, keep=build_id)
     return man
+
+
+def _chat_check(train_file: Path, tokenizer, opts: Options) -> dict | None:
+    """The first records' end-of-turn / system-text counts `validate` warns from (longspec.show)."""
+    from longspec import show
+
+    try:
+        return show.first_records_check(train_file, tokenizer, opts.collator, opts.max_seq_length)
+    except ValueError:
+        return None
 
 
 def _source_sha(path: Path) -> str:

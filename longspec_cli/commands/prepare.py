@@ -18,6 +18,15 @@ EPILOG = """Examples:
 
   longspec prepare demo --json           one JSON object with a result per stage
 
+  longspec prepare demo longcot --show 3 the first 3 records, trained tokens marked
+
+`--show K` prints the first K records of each stage as the trainer encodes them, without
+tokenizing the whole file: the trained tokens in colour on a terminal and in [brackets] without
+one, and per record the counts of prompt, trained and cut tokens. A chat record trains each
+assistant answer and its end-of-turn token(s), never system, user or header text. With --json:
+{"stage", "collator", "records": [{"index", "line", "tokens": [[id, text, trained], ...],
+"prompt", "trained", "cut", ...}]} for one stage, {"stages": [...]} for several.
+
 The cache (flat token ids, trained-label mask, offsets, manifest) lives under
 $LONGSPEC_CACHE_DIR/prepared (default: $XDG_CACHE_HOME/longspec/prepared, else
 ~/.cache/longspec/prepared). It is keyed by the train file's path,
@@ -40,10 +49,16 @@ def prepare(
                                           help="Tokenizer processes (default: 1 for plain text, one per core "
                                                "up to 8 for chat-template collators)."),
     as_json: bool = typer.Option(False, "--json", help='Print {"stages": [...]} as JSON on stdout.'),
+    show: Optional[int] = typer.Option(None, "--show", min=1, metavar="K",
+                                       help="Print the first K records with their trained tokens marked "
+                                            "(no cache is built)."),
 ) -> None:
     """Tokenize each stage's train_file once into a memory-mapped cache (progress, summary, histogram)."""
 
     def body() -> None:
+        if show is not None:
+            _show(project_dir, stages, show, as_json)
+            return
         from longspec_cli.core.manifest import load_manifest
         from longspec_cli.core.prepared import result_text as prepared_text
         from longspec_cli.launch import prepare as LP
@@ -63,6 +78,34 @@ def prepare(
             typer.echo(json.dumps({"project": str(manifest.root), "stages": results}, indent=2))
 
     run_cli(body)
+
+
+def _show(project_dir: Path, stages: Optional[List[str]], count: int, as_json: bool) -> None:
+    import sys
+
+    from longspec_cli.core import trainedview as V
+    from longspec_cli.core.manifest import load_manifest
+    from longspec_cli.launch import prepare as LP
+
+    manifest = load_manifest(project_dir)
+    chosen = [manifest.stage(s) for s in stages] if stages else list(manifest.stages)
+    results = [LP.run_show(spec, [], count) for spec in chosen]
+    if as_json:
+        typer.echo(json.dumps(results[0] if len(results) == 1 else {"stages": results}))
+        return
+    console = None
+    if sys.stdout.isatty():
+        from rich.console import Console
+        console = Console(highlight=False)
+    typer.echo(V.legend())
+    for spec, r in zip(chosen, results):
+        typer.echo(f"\n== {spec.name} ({r['collator']}, max_seq_length {r['max_seq_length']:,})")
+        for rec in r["records"]:
+            typer.echo(f"-- {V.header(rec)}")
+            if console is not None:
+                console.print(V.rich_text(rec), soft_wrap=True)
+            else:
+                typer.echo(V.plain(rec))
 
 
 def register(app: typer.Typer) -> None:

@@ -223,6 +223,7 @@ def stage_prepared(conf: dict, base_dir: Path, world: int = 1, full: bool = Fals
         return PreparedState("unknown", f"cannot read the cache: {e.strerror or e}", str(folder))
     st = PreparedState("ready", path=str(folder), **{k: man.get(k) for k in (
         "records", "tokens", "trained_tokens", "skipped", "truncated")})
+    st.extra["chat_check"] = man.get("chat_check")
     ga, micro = _int(conf.get("gradient_accumulation_steps"), 1), _int(conf.get("per_gpu_train_batch_size"), 1)
     st.steps_per_epoch = steps_per_epoch(st.records or 0, micro, ga, world)
     st.planned_steps = planned_steps(conf, st.records or 0, world)
@@ -327,3 +328,20 @@ def prepared_note(state: PreparedState) -> str:
         return f"train_file not prepared: {state.reason}"
     return (f"train_file {state.reason}: `longspec prepare` (or `longspec run`, before it starts "
             "DeepSpeed) tokenizes it once")
+
+
+def prepared_warnings(state: PreparedState) -> list[str]:
+    """`validate`'s warnings from the cache's first-records check (written by the build, so that
+    nothing is tokenized here): chats whose end of turn is not trained, trained system markup."""
+    chk = state.extra.get("chat_check") if state.state == "ready" else None
+    if not isinstance(chk, dict):
+        return []
+    out, n = [], chk.get("records", 0)
+    if chk.get("no_end_of_turn"):
+        out.append(f"{chk['no_end_of_turn']} of the first {n} records are chats whose end-of-turn "
+                   "token is not trained (cut by max_seq_length): the draft does not learn where an "
+                   "answer ends; `longspec prepare DIR STAGE --show 3` shows them")
+    if chk.get("system_trained"):
+        out.append(f"{chk['system_trained']} of the first {n} records train a system turn's chat markup "
+                   "(chat text in a plain document?); `longspec prepare DIR STAGE --show 3` shows them")
+    return out

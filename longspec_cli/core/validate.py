@@ -154,11 +154,13 @@ def validate_project(root: Path, world_size: int | None = None, cache: dict | No
 
 def _prepared_info(c, m, world: int) -> list[Problem]:
     """An info line: the stage's prepared data (tokens, epochs covered) or that it is not ready."""
-    from longspec_cli.core.prepared import prepared_note, stage_prepared
+    from longspec_cli.core.prepared import prepared_note, prepared_warnings, stage_prepared
 
     if not c.ok:
         return []
-    return [c.problem("info", "train_file", prepared_note(stage_prepared(c.data, m.root, world)))]
+    st = stage_prepared(c.data, m.root, world)
+    return ([c.problem("info", "train_file", prepared_note(st))]
+            + [c.problem("warning", "train_file", w) for w in prepared_warnings(st)])
 
 
 # ---------------------------------------------------------------- entry point

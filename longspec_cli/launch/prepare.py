@@ -79,3 +79,14 @@ def ensure_prepared(manifest: Manifest, spec: StageSpec, overrides: list[str], w
     say(f"{spec.name}: preparing data ({st.reason})")
     r = run_prepare(spec, overrides, world)
     say(f"{spec.name}: data prepared: {r['records']:,} records, {r['tokens']:,} tokens in {r['seconds']:.1f} s")
+
+
+def run_show(spec: StageSpec, overrides: list[str], count: int) -> dict:
+    """The stage's first `count` records as the trainer encodes them (`python -m longspec.show`)."""
+    from longspec_cli.core.trainerjson import run_trainer_json
+    from longspec_cli.launch.plan import exp_location
+
+    conf, exp = exp_location(spec)
+    argv = [sys.executable, "-m", "longspec.show", "--config-dir", str(conf), f"+exp={exp}",
+            *overrides, "--show", str(count), "--json"]
+    return run_trainer_json(argv, show_progress=False)

@@ -66,43 +66,52 @@ def test_truncation_cuts_to_max_seq_length(tmp_path, tok):
 
 # ---------------------------------------------------------------- long_data
 
-def test_long_data_code_and_book_are_plain_text(tmp_path, tok):
+def test_long_data_code_and_book_are_plain_text_without_eos(tmp_path, tok):
     code = "def f0(x):\n    return x + 3\n"
     ids, labels = one(tmp_path, tok, {"source": "code", "text": code}, "long_data")
-    assert ids == ids_of(tok, code) + [tok.eos_token_id]
-    assert labels == ids[:-1] + [IGNORE]
+    assert ids == ids_of(tok, code)                          # no EOS, as upstream's stage 2
+    assert labels == ids
     ids2, _ = one(tmp_path, tok, {"source": "book", "text": code}, "long_data")
     assert ids2 == ids
 
 
-def test_long_data_arxiv_renders_summary_chat_all_labelled(tmp_path, tok):
+def trained_text(tok, ids, labels):
+    return tok.decode([t for t, l in zip(ids, labels) if l != IGNORE])
+
+
+def test_long_data_arxiv_uses_upstreams_instruction_and_trains_the_summary(tmp_path, tok):
     rec = {"source": "arxiv", "article": "fact : the age of ada is 10 .", "abstract": "ada is 10 ."}
     ids, labels = one(tmp_path, tok, rec, "long_data")
-    msgs = [{"role": "user", "content": "Summarize this article.\n\nfact : the age of ada is 10 ."},
+    msgs = [{"role": "user", "content": "Please summarize the following article: fact : the age of ada is 10 ."},
             {"role": "assistant", "content": "ada is 10 ."}]
-    assert ids == chat(tok, msgs)                            # the template's turn ends, no EOS added
-    assert labels == ids  # no-mask: the user turn is trained too, its <|im_end|> as well
-    assert tok.decode(ids).startswith("<|im_start|>user\n")
+    assert tok.decode(ids) == tok.apply_chat_template(msgs, tokenize=False)
+    head = chat(tok, msgs[:1], gen=True)
+    assert ids[:len(head)] == head and labels[:len(head)] == [IGNORE] * len(head)
+    assert trained_text(tok, ids, labels) == "ada is 10 .<|im_end|>\n"   # answer + end of turn
 
 
 def test_long_data_arxiv_lists_become_turn_pairs(tmp_path, tok):
     rec = {"source": "arxiv", "article": ["a one .", "a two ."], "abstract": ["s one .", "s two ."]}
-    ids, _ = one(tmp_path, tok, rec, "long_data")
+    ids, labels = one(tmp_path, tok, rec, "long_data")
     text = tok.decode(ids)
     assert text.count("<|im_start|>assistant\n") == 2
     assert text.index("s one .") < text.index("a two .") < text.index("s two .")
+    assert trained_text(tok, ids, labels) == "s one .<|im_end|>\ns two .<|im_end|>\n"
 
 
-def test_long_data_tulu_and_messages_chats(tmp_path, tok):
-    conv = [{"role": "user", "content": "count from 3 to 5 ."},
-            {"role": "assistant", "content": "3 4 5 ."}]
+def test_long_data_tulu_and_messages_chats_train_each_answer(tmp_path, tok):
+    conv = [{"role": "system", "content": "you are a helpful assistant ."},
+            {"role": "user", "content": "count from 3 to 5 ."},
+            {"role": "assistant", "content": "3 4 5 ."},
+            {"role": "user", "content": "and from 7 ?"},
+            {"role": "assistant", "content": "7 8 9 ."}]
     expect = chat(tok, conv)
     for rec in ({"source": "tulu-v2", "conversation": conv}, {"messages": conv},
-                {"messages": [{"from": "human", "value": conv[0]["content"]},
-                              {"from": "gpt", "value": conv[1]["content"]}]}):
+                {"messages": [{"from": t["role"].replace("user", "human").replace("assistant", "gpt"),
+                               "value": t["content"]} for t in conv]}):
         ids, labels = one(tmp_path, tok, rec, "long_data")
         assert ids == expect
-        assert labels == ids
+        assert trained_text(tok, ids, labels) == "3 4 5 .<|im_end|>\n7 8 9 .<|im_end|>\n"
 
 
 def test_long_data_unknown_source_is_named(tmp_path, tok):

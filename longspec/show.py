@@ -1,0 +1,168 @@
+"""See what a stage trains: its first records as the trainer encodes them, token by token.
+
+    python -m longspec.show --config-dir DIR/conf +exp=STAGE [key=value ...] [--show K] [--json]
+
+prints {"stage", "collator", "max_seq_length", "records": [{"index", "line", "tokens": [[id, text,
+trained], ...], "prompt", "trained", "cut", "chat", "end_of_turn_trained", "untrained_answers"}]}
+(`longspec prepare DIR STAGE --show K` renders it: colour on a terminal, brackets without one).
+The tokens come from longspec.data's own encoder (encode_full), the one owner of them.
+
+`first_records_check` is the same look at the first records, summed for the prepared cache's
+manifest, so that `validate` can warn without a tokenizer: chat records whose end of turn is not
+trained, and records that train a system turn's markup (chat text pasted into a plain document).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+CHECK_RECORDS = 64          # records `first_records_check` looks at
+DEFAULT_SHOW = 3
+
+
+def inspect_record(rec: dict, tokenizer, collator: str, max_seq_length: int) -> dict:
+    """One record as the trainer sees it: tokens with their trained flag and the counts."""
+    from longspec import data
+    from longspec.chat import ChatError, split_chat
+
+    kinds: list[str] = []
+    ids, trained, full = data.encode_full(rec, tokenizer, collator, max_seq_length, kinds)
+    chat = any(k in ("answer", "end") for k in kinds) or collator == "long_cot"
+    untrained_answers = 0
+    if chat and collator == "long_data" and ("conversation" in rec or "messages" in rec):
+        from longspec.collators import messages_of
+        try:
+            untrained_answers = split_chat(tokenizer, messages_of(
+                rec, "conversation" if "conversation" in rec else "messages")).untrained_answers
+        except (ChatError, data.RecordError):
+            pass
+    return {"tokens": [[int(i), tokenizer.decode([i]), bool(t)] for i, t in zip(ids, trained)],
+            "prompt": sum(not t for t in trained), "trained": sum(trained), "cut": full - len(ids),
+            "chat": chat,
+            "end_of_turn_trained": any(k == "end" and t for k, t in zip(kinds, trained)) if chat else None,
+            "untrained_answers": untrained_answers}
+
+
+def show_records(path: Path, tokenizer, collator: str, max_seq_length: int, count: int,
+                 on_bad_record: str = "error") -> list[dict]:
+    """The first `count` usable records of a train file, inspected (bad ones: as the build does)."""
+    from longspec import data
+
+    out: list[dict] = []
+    for index, (line, rec) in enumerate(data.read_records(path, on_bad_record)):
+        if len(out) >= count:
+            break
+        try:
+            out.append({"index": index, "line": line, **inspect_record(rec, tokenizer, collator, max_seq_length)})
+        except data.RecordError as e:
+            if on_bad_record == "error":
+                raise data.DataError(f"{path}:{line}: {e} (collator {collator})") from None
+    return out
+
+
+def system_markup(tokenizer) -> list[int]:
+    """The token ids a system turn opens with under the tokenizer's chat template ([] without one)."""
+    from longspec.chat import SENTINEL, ChatError, render
+
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    try:
+        text = render(tokenizer, [{"role": "system", "content": SENTINEL},
+                                  {"role": "user", "content": "x"}])
+    except ChatError:
+        return []
+    head = text.split(SENTINEL)[0] if SENTINEL in text else ""
+    bos = tokenizer.bos_token or ""
+    head = head[len(bos):] if bos and head.startswith(bos) else head
+    return tokenizer(head, add_special_tokens=False)["input_ids"] if head.strip() else []
+
+
+def _contains(seq: list[int], sub: list[int]) -> bool:
+    n = len(sub)
+    return n > 0 and any(seq[i:i + n] == sub for i in range(len(seq) - n + 1))
+
+
+def first_records_check(path: Path, tokenizer, collator: str, max_seq_length: int,
+                        on_bad_record: str = "error", count: int = CHECK_RECORDS) -> dict:
+    """What the manifest records for `validate`: over the first records, how many are chats,
+    how many chats train no end of turn, how many records train a system turn's markup."""
+    records = show_records(path, tokenizer, collator, max_seq_length, count, "skip")
+    marker = system_markup(tokenizer)
+    chats = [r for r in records if r["chat"]]
+    return {"records": len(records), "chat": len(chats),
+            "no_end_of_turn": sum(not r["end_of_turn_trained"] for r in chats),
+            "system_trained": sum(_contains([i for i, _, t in r["tokens"] if t], marker) for r in records),
+            "untrained_answers": sum(r["untrained_answers"] for r in records)}
+
+
+# ----------------------------------------------------------------------------- entry point
+
+FLAGS: dict = {"json": False, "show": DEFAULT_SHOW}
+
+
+def _take_flags(argv: list[str]) -> list[str]:
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--json":
+            FLAGS["json"] = True
+        elif a == "--show" and i + 1 < len(argv):
+            FLAGS["show"] = int(argv[i + 1])
+            i += 1
+        elif a.startswith("--show="):
+            FLAGS["show"] = int(a.split("=", 1)[1])
+        else:
+            out.append(a)
+        i += 1
+    return out
+
+
+def run(cfg) -> dict:
+    from longspec import prepare, train
+
+    conf = train.read_config(cfg)
+    d, train_file = conf["data"], Path(conf["train_file"])
+    if not train_file.is_file():
+        raise train.TrainError(f"train_file = {train_file}: file not found")
+    tok = prepare.load_tokenizer(conf["model_name_or_path"])
+    records = show_records(train_file, tok, d["collator"], d["max_seq_length"], max(0, FLAGS["show"]),
+                           d.get("on_bad_record", "error"))
+    return {"stage": conf["stage"], "collator": d["collator"], "max_seq_length": d["max_seq_length"],
+            "train_file": str(train_file), "records": records}
+
+
+def guarded(cfg) -> int:
+    from longspec import dsconfig, prepare, train
+    from longspec.data import DataError
+
+    try:
+        r = run(cfg)
+    except KeyboardInterrupt:
+        return train.EXIT_INTERRUPTED
+    except Exception as e:
+        if isinstance(e, dsconfig.ConfigError):
+            message = "invalid stage config:\n" + "\n".join(f"- {p}" for p in e.problems)
+        elif isinstance(e, (*train._user_errors(), OSError)):
+            message = str(e)
+        else:
+            raise
+        code = prepare.EXIT_INPUT if isinstance(e, DataError) else train.EXIT_ERROR
+        if FLAGS["json"]:
+            print(json.dumps({"error": message, "exit_code": code}), flush=True)
+        train.report_error(message)
+        return code
+    print(json.dumps(r), flush=True)
+    return 0
+
+
+def main() -> None:
+    from longspec import train
+
+    argv = _take_flags(sys.argv[1:])
+    sys.argv = [sys.argv[0]] + train.implied_config_dir(argv)
+    train._make_hydra_entry(guarded)()
+
+
+if __name__ == "__main__":
+    main()
