@@ -17,6 +17,12 @@ from longspec.tiny import build_tiny
 IGNORE = -100
 TEMPLATES = Path(__file__).parent / "templates"
 
+# The system turn a template writes by itself when the record has none (a record's own system replaces it).
+QWEN25_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+QWQ_PREVIEW_SYSTEM = ("You are a helpful and harmless assistant. You are Qwen developed by Alibaba. "
+                      "You should think step-by-step.")
+DEFAULT_SYSTEM = {"qwen2.5", "qwq-32b-preview"}
+
 # name -> (template file, special tokens to add, bos, eos, the end of turn the template writes,
 #          text the template adds on its own and that must never be trained)
 CASES = {
@@ -27,8 +33,12 @@ CASES = {
     "llama-3.1": ("llama-3.1-instruct.jinja",
                   ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
                   "<|begin_of_text|>", "<|eot_id|>", "<|eot_id|>", "Cutting Knowledge Date"),
-    "mistral": ("mistral-nemo-instruct.jinja", ["<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>", "</s>",
-                "[INST]"),
+    "qwen2.5": ("qwen2.5-instruct.jinja", [], None, "<|im_end|>", "<|im_end|>\n", QWEN25_SYSTEM),
+    "qwq-32b-preview": ("qwq-32b-preview.jinja", [], None, "<|im_end|>", "<|im_end|>\n", QWQ_PREVIEW_SYSTEM),
+    "mistral-v0.3": ("mistral-7b-instruct-v0.3.jinja", ["<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>", "</s>",
+                     "[INST]"),
+    "mistral-nemo": ("mistral-nemo-instruct.jinja", ["<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>", "</s>",
+                     "[INST]"),
     "tiny-chatml": (None, [], None, None, "<|im_end|>\n", None),
 }
 NO_THINKING = "{%- set enable_thinking = false %}\n"   # how a target folder pins Qwen3's switch off
@@ -107,25 +117,30 @@ CONV = [{"role": "system", "content": "you are a helpful assistant ."},
         {"role": "assistant", "content": "7 8 9 ."}]
 
 
+@pytest.mark.parametrize("system", [True, False], ids=["system", "no-system"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_stage2_chat_trains_each_answer_and_end_never_system_or_user(tmp_path, tiny, case):
+def test_stage2_chat_trains_each_answer_and_end_never_system_or_user(tmp_path, tiny, case, system):
     tok = make_tok(tiny, case)
     eot, own = CASES[case][4], CASES[case][5]
-    ids, labels = encode(tmp_path, tok, {"source": "tulu-v2", "conversation": CONV}, "long_data")
+    conv = CONV if system else CONV[1:]
+    ids, labels = encode(tmp_path, tok, {"source": "tulu-v2", "conversation": conv}, "long_data")
     assert [tok.decode(r) for r in trained_runs(ids, labels)] == ["3 4 5 ." + eot, "7 8 9 ." + eot]
     text = tok.decode(ids)
     untrained = tok.decode([t for t, lab in zip(ids, labels) if lab == IGNORE])
-    for words in ("you are a helpful assistant .", "count from 3 to 5 .", "and from 7 ?"):
+    for words in ("you are a helpful assistant ." if system else "", "count from 3 to 5 .", "and from 7 ?"):
         assert words in untrained and words in text
-    if own:
+    if case in DEFAULT_SYSTEM and system:
+        assert own not in text                                      # the record's system replaces the default
+    elif own:
         assert own in untrained
     # the last answer's context is the template's own generation prompt for it
-    head = ids_of(tok, tok.apply_chat_template(CONV[:4], tokenize=False, add_generation_prompt=True))
+    head = ids_of(tok, tok.apply_chat_template(conv[:-1], tokenize=False, add_generation_prompt=True))
     last = trained_runs(ids, labels)[-1]
     assert ids[len(ids) - len(last) - len(head[-3:]):len(ids) - len(last)] == head[-3:]
 
 
-@pytest.mark.parametrize("case", ["qwq-32b", "llama-3.1", "mistral", "qwen3-no-thinking"])
+@pytest.mark.parametrize("case", ["qwq-32b", "llama-3.1", "mistral-v0.3", "mistral-nemo", "qwen3-no-thinking",
+                                  "qwen2.5", "qwq-32b-preview"])
 def test_stage2_arxiv_trains_the_summary_not_the_article(tmp_path, tiny, case):
     tok = make_tok(tiny, case)
     eot = CASES[case][4]
@@ -148,7 +163,8 @@ def test_qwq_earlier_answer_is_trained_as_the_history_shows_it(tiny):
     assert split.prompt == tok.apply_chat_template(conv[:3], tokenize=False, add_generation_prompt=True)
 
 
-@pytest.mark.parametrize("case", ["qwq-32b", "llama-3.1", "mistral"])
+@pytest.mark.parametrize("case", ["qwq-32b", "llama-3.1", "mistral-v0.3", "mistral-nemo", "qwen2.5",
+                                  "qwq-32b-preview"])
 def test_split_chat_gives_evaluation_the_trainers_prompt_and_answer_ids(tmp_path, tiny, case):
     tok = make_tok(tiny, case)
     conv = [{"role": "user", "content": "add the numbers 2 , 3 ."}, {"role": "assistant", "content": REASONING}]
