@@ -7,23 +7,26 @@ Shapes: B batch, T tokens, H hidden, nh query heads, kvh key/value heads, hd hea
     embed(input_ids) -> GlideDraft(self-attn in a window, cross-attn onto K/V, MLP) -> (B, T, H)
                      -> frozen lm_head -> next-token CE (fp32, chunked/fused) = loss
 
-The draft's state-dict keys follow the LongSpec reference layer (`self_attn.*`, `cross_attn.*`,
-`mlp.*`, three norms), so a draft trained here loads there and the other way round.
+The target side (TargetWrapper, next_token_loss, loading) is longspec.target; the ZeRO-3
+parameter helpers are longspec.zero. The draft's state-dict keys follow the LongSpec reference
+layer (`self_attn.*`, `cross_attn.*`, `mlp.*`, three norms), so a draft trained here loads there
+and the other way round.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from longspec import kernels
-from longspec.families import FAMILIES, get_family, rope_params as _rope_params  # noqa: F401 (re-exported)
+from longspec.families import get_family, rope_params as _rope_params
+from longspec.target import TargetWrapper, load_target, next_token_loss
+from longspec.zero import announce_zero3, gathered, gathered_for_update, zero3_dtype
 
 
 # ----------------------------------------------------------------------------- config
@@ -226,164 +229,6 @@ class GlideDraft(nn.Module):
         return hidden + self.mlp(x)                                  # (B, T, H)
 
 
-# ----------------------------------------------------------------------------- frozen target
-
-@dataclass
-class TargetOutput:
-    k: torch.Tensor                      # (B, kvh, T, hd) last layer, post-RoPE
-    v: torch.Tensor                      # (B, kvh, T, hd)
-    last_hidden: torch.Tensor            # (B, T, H) after the final norm
-    llm_loss: torch.Tensor | None        # the target's own next-token loss (fp32) or None
-
-
-def _last_layer_cache_cls():
-    from transformers import DynamicCache
-
-    class LastLayerCache(DynamicCache):
-        """A DynamicCache that stores only one layer: the other layers get their own K/V back
-        unchanged (what an empty cache returns on a prefill) and nothing is kept for them."""
-
-        def __init__(self, keep_layer: int):
-            super().__init__()
-            self.keep_layer = keep_layer
-
-        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            if layer_idx != self.keep_layer:
-                return key_states, value_states
-            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
-        def kept(self) -> tuple[torch.Tensor, torch.Tensor]:
-            if hasattr(self, "layers"):                          # transformers 5
-                layer = self.layers[self.keep_layer]
-                return layer.keys, layer.values
-            return self.key_cache[self.keep_layer], self.value_cache[self.keep_layer]
-
-    return LastLayerCache
-
-
-@contextlib.contextmanager
-def gathered(param: nn.Parameter) -> Iterator[torch.Tensor]:
-    """The full parameter, also when DeepSpeed ZeRO-3 has partitioned it (read-only gather)."""
-    if hasattr(param, "ds_id"):
-        import deepspeed
-        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-        if param.ds_status == ZeroParamStatus.AVAILABLE:
-            # Already fetched by ZeRO-3's hooks for the running forward: gathering again would
-            # free it on exit while DeepSpeed still counts it as in use.
-            yield param
-            return
-        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-            yield param
-    else:
-        yield param
-
-
-def gathered_for_update(params: list[nn.Parameter]):
-    """A context in which ``params`` are whole and writable; under ZeRO-3 rank 0's values are
-    broadcast and re-partitioned on exit (every rank must enter it). Plain parameters: no-op."""
-    partitioned = [p for p in params if hasattr(p, "ds_id")]
-    if not partitioned:
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0)
-
-
-def parameter_bytes(module: nn.Module) -> tuple[int, int]:
-    """(bytes of parameters this rank holds, bytes of the whole parameters). Under ZeRO-3 a rank
-    holds its partition (``ds_tensor``) plus any parameter that is currently gathered."""
-    held = whole = 0
-    for p in module.parameters():
-        part = getattr(p, "ds_tensor", None)
-        held += p.numel() * p.element_size() + (0 if part is None else part.numel() * part.element_size())
-        whole += getattr(p, "ds_numel", p.numel()) * p.element_size()
-    return held, whole
-
-
-class TargetWrapper(nn.Module):
-    """A frozen transformers causal LM of a family in longspec.families that hands out what the
-    draft needs; the family entry says where each part is."""
-
-    def __init__(self, hf_model: nn.Module):
-        super().__init__()
-        self.model = hf_model
-        self.family = get_family(hf_model.config)
-        for p in self.model.parameters():
-            p.requires_grad_(False)
-        self.model.eval()
-        self._cache_kw = "cache" if "cache" in _forward_params(self.base) else "past_key_values"
-
-    def train(self, mode: bool = True) -> "TargetWrapper":
-        return super().train(False)      # frozen: never dropout, whatever the parent does
-
-    @property
-    def config(self):
-        return self.model.config
-
-    @property
-    def base(self) -> nn.Module:
-        return self.family.decoder(self.model)
-
-    @property
-    def lm_head(self) -> nn.Module:
-        return self.family.lm_head(self.model)
-
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_hidden_layers
-
-    @torch.no_grad()
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """(B, T) -> (B, T, H). Calls the embedding module so ZeRO-3 hooks gather its weight."""
-        return self.family.embeddings(self.model)(input_ids)
-
-    @torch.no_grad()
-    def rotary(self, position_ids: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target's own RoPE tables (B, T, hd), including any rope scaling."""
-        return self.family.rotary(self.model, like, position_ids)
-
-    @torch.no_grad()
-    def forward(self, input_ids, position_ids, attention_mask=None, labels=None) -> TargetOutput:
-        cache = _last_layer_cache_cls()(keep_layer=self.family.kv_layer(self.config))
-        out = self.base(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            use_cache=True,
-            **{self._cache_kw: cache},
-        )
-        k, v = cache.kept()                                          # (B, kvh, T, hd)
-        T = input_ids.shape[1]
-        if k is None or k.shape[-2] != T:
-            raise RuntimeError(f"target cache holds {None if k is None else k.shape[-2]} positions, expected {T}")
-        last_hidden = out.last_hidden_state                          # (B, T, H)
-        llm_loss = None
-        if labels is not None:
-            with gathered(self.lm_head.weight) as w:
-                llm_loss = next_token_loss(last_hidden, w, labels, attention_mask)
-        return TargetOutput(k=k, v=v, last_hidden=last_hidden, llm_loss=llm_loss)
-
-
-def _forward_params(module: nn.Module) -> set[str]:
-    import inspect
-
-    try:
-        return set(inspect.signature(module.forward).parameters)
-    except (TypeError, ValueError):
-        return set()
-
-
-def next_token_loss(hidden, weight, labels, attention_mask=None, chunk_size=None) -> torch.Tensor:
-    """Mean CE of hidden[:, t] predicting labels[:, t+1] (fp32, ignore_index -100, no (N, V) logits)."""
-    B, T, H = hidden.shape
-    if attention_mask is not None:
-        labels = labels.masked_fill(attention_mask.to(labels.device) == 0, -100)
-    h = hidden[:, :-1].reshape(-1, H).float()                       # (B*(T-1), H)
-    y = labels[:, 1:].reshape(-1)                                    # (B*(T-1),)
-    return kernels.linear_cross_entropy(h, weight, y, ignore_index=-100, chunk_size=chunk_size)
-
-
 # ----------------------------------------------------------------------------- training model
 
 class GlideModel(nn.Module):
@@ -444,11 +289,11 @@ def build_glide(
     if zero3_config is not None:
         if zero3_dtype(zero3_config) != dtype:
             raise ValueError(f"dtype {dtype} but the DeepSpeed config trains in {zero3_dtype(zero3_config)}")
-        _announce_zero3(zero3_config)
+        announce_zero3(zero3_config)
     if isinstance(target_path_or_model, nn.Module):
         hf_model = target_path_or_model
     else:
-        hf_model = _load_target(Path(target_path_or_model), dtype, attn_implementation)
+        hf_model = load_target(Path(target_path_or_model), dtype, attn_implementation)
     cfg = DraftConfig.from_target_config(hf_model.config, sliding_window)
     if zero3_config is None:
         draft = GlideDraft(cfg).to(dtype)
@@ -464,57 +309,4 @@ def build_glide(
     return GlideModel(TargetWrapper(hf_model), draft, loss_chunk_size)
 
 
-# transformers keeps only a weak reference to the object that says "ZeRO-3" (it then loads under
-# deepspeed.zero.Init); this one keeps it alive for the rest of the process.
-_zero3_marker: Any = None
-
-
-class _Zero3Marker:
-    """What transformers' loading reads of an HfDeepSpeedConfig (``config``, ``is_zero3()``);
-    stands in for it when `accelerate`, which HfDeepSpeedConfig requires, is not installed."""
-
-    def __init__(self, config: dict):
-        self.config = config
-
-    def is_zero3(self) -> bool:
-        return True
-
-
-def zero3_dtype(ds_config: dict) -> torch.dtype:
-    """The dtype deepspeed.zero.Init gives parameters under this config (its bf16 / fp16 blocks)."""
-    if (ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("enabled"):
-        return torch.bfloat16
-    if (ds_config.get("fp16") or {}).get("enabled"):
-        return torch.float16
-    return torch.float32
-
-
-def _announce_zero3(ds_config: dict) -> None:
-    global _zero3_marker
-    from transformers.integrations import HfDeepSpeedConfig, set_hf_deepspeed_config
-
-    try:
-        _zero3_marker = HfDeepSpeedConfig(copy.deepcopy(ds_config))
-    except ImportError:                   # accelerate missing or too old
-        _zero3_marker = _Zero3Marker(copy.deepcopy(ds_config))
-        set_hf_deepspeed_config(_zero3_marker)
-
-
-def _load_target(path: Path, dtype: torch.dtype, attn_implementation: str | None) -> nn.Module:
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"target model folder {path} has no config.json")
-    kwargs: dict[str, Any] = {}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-    kwargs[dtype_kw] = dtype
-    return AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
-
-
-__all__ = [
-    "DraftConfig", "GlideDraft", "TargetWrapper", "TargetOutput", "GlideModel", "build_glide",
-    "next_token_loss", "gathered", "gathered_for_update", "parameter_bytes", "zero3_dtype", "apply_rope",
-]
+__all__ = ["DraftConfig", "GlideDraft", "GlideModel", "build_glide", "apply_rope"]

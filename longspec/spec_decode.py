@@ -32,7 +32,8 @@ import torch
 import torch.nn as nn
 
 from longspec import kernels
-from longspec.model import GlideDraft, TargetWrapper, apply_rope
+from longspec.model import GlideDraft, apply_rope
+from longspec.target import TargetWrapper
 
 
 # ----------------------------------------------------------------------------- results

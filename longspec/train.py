@@ -450,7 +450,8 @@ class Session:
         import torch
 
         from longspec.checkpoint import load_draft_weights
-        from longspec.model import build_glide, parameter_bytes
+        from longspec.model import build_glide
+        from longspec.zero import parameter_bytes
 
         conf = self.conf
         torch.manual_seed(conf["seed"])                  # the same fresh draft on every rank

@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from longspec.model import DraftConfig, GlideDraft, GlideModel, TargetWrapper, build_glide
+from longspec.model import DraftConfig, GlideDraft, GlideModel, build_glide
 from longspec.positions import anchor_offset_position_ids
+from longspec.target import TargetWrapper
 from tests.trainer.conftest import ROPE_THETA, TINY_DIMS, head_dim, make_tiny_target
 
 # The LongSpec reference draft layer (Qwen2GlideDecoderLayer / LlamaGlideDecoderLayer): both

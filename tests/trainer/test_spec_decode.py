@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from longspec.model import DraftConfig, GlideDraft, TargetWrapper
+from longspec.model import DraftConfig, GlideDraft
 from longspec.spec_decode import (
     GlideProposer,
     cache_length,
@@ -24,6 +24,7 @@ from longspec.spec_decode import (
     speculative_decode,
     target_logits,
 )
+from longspec.target import TargetWrapper
 from tests.trainer.conftest import TINY_DIMS, make_tiny_target
 
 VOCAB = TINY_DIMS["vocab_size"]

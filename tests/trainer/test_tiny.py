@@ -14,7 +14,8 @@ import torch
 
 from longspec.data import build_dataset
 from longspec.tiny import (FAMILIES, TINY_VERSION, TinyBuildError, build_tiny, cache_dir,
-                           record_text, tiny_target_info)
+                           tiny_target_info)
+from longspec.tinydata import record_text
 
 ROOT = Path(__file__).resolve().parents[2]
 

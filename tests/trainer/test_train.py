@@ -550,7 +550,8 @@ ZERO3_BUILD = """
 import json, sys
 import torch, deepspeed
 from longspec.checkpoint import gather_draft_state
-from longspec.model import build_glide, parameter_bytes
+from longspec.model import build_glide
+from longspec.zero import parameter_bytes
 
 target, out = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
 deepspeed.init_distributed(dist_backend="gloo")

@@ -1,0 +1,237 @@
+"""The tiny preset's synthetic language and the records built from it: the three stages' data
+(STAGE_DATA) and the corpus the tiny target is pre-trained on (pretrain_corpus).
+
+The language is small and regular on purpose, so that a draft can learn it in minutes:
+templated sentences, counting, cyclic lists, copying, sums, and key/value facts that are
+stated once and asked for much later (long-range look-ups for the long-context stages).
+
+The tiny target and its tokenizer are trained on pretrain_corpus, so a change here that alters
+the corpus alters the target's bytes: bump longspec.tiny.TINY_VERSION with it.
+render_chat writes chats as the tokenizer's CHAT_TEMPLATE (longspec.tiny) does.
+"""
+
+from __future__ import annotations
+
+import random
+
+
+# --------------------------------------------------------------------------- the language
+
+NOUNS = ["cat", "dog", "fox", "bird", "fish", "tree", "river", "stone", "house", "boat",
+         "king", "queen", "robot", "star", "moon", "garden"]
+ADJS = ["red", "blue", "green", "small", "big", "old", "young", "quiet", "happy", "dark"]
+VERBS = ["sees", "likes", "finds", "follows", "helps", "draws", "moves", "keeps"]
+PLACES = ["near the river", "in the garden", "under the moon", "by the house", "on the hill"]
+NAMES = ["ada", "bob", "cleo", "dan", "eve", "finn", "gus", "hana", "ivo", "juno", "kai",
+         "lena", "milo", "nora", "otto", "pia", "quin", "rosa", "sam", "tara"]
+THINGS = ["code", "key", "room", "age", "score"]
+CYCLES = [["monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"],
+          ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"],
+          ["north", "east", "south", "west"],
+          ["spring", "summer", "autumn", "winter"]]
+
+
+class Lang:
+    """Sentence makers over one random stream; every method returns plain text."""
+
+    def __init__(self, rng: random.Random):
+        self.r = rng
+
+    def sentence(self) -> str:
+        r = self.r
+        s = f"the {r.choice(ADJS)} {r.choice(NOUNS)} {r.choice(VERBS)} the {r.choice(NOUNS)}"
+        return s + (f" {r.choice(PLACES)} ." if r.random() < 0.4 else " .")
+
+    def counting(self) -> str:
+        a, n = self.r.randrange(0, 180), self.r.randrange(4, 12)
+        return f"count from {a} : " + " ".join(str(a + i) for i in range(n)) + " ."
+
+    def cycle(self) -> str:
+        c = self.r.choice(CYCLES)
+        a, n = self.r.randrange(len(c)), self.r.randrange(3, 9)
+        return "list : " + " ".join(c[(a + i) % len(c)] for i in range(n)) + " ."
+
+    def copy(self) -> str:
+        words = [self.r.choice(NOUNS + ADJS) for _ in range(self.r.randrange(3, 7))]
+        return "copy : " + " ".join(words) + " | " + " ".join(words) + " ."
+
+    def sum(self) -> str:
+        a, b = self.r.randrange(0, 50), self.r.randrange(0, 50)
+        return f"{a} plus {b} is {a + b} ."
+
+    def facts(self, n: int) -> dict[tuple[str, str], int]:
+        keys = {(self.r.choice(NAMES), self.r.choice(THINGS)) for _ in range(n)}
+        return {k: self.r.randrange(10, 100) for k in sorted(keys)}
+
+    @staticmethod
+    def fact(key: tuple[str, str], value: int) -> str:
+        return f"fact : the {key[1]} of {key[0]} is {value} ."
+
+    @staticmethod
+    def question(key: tuple[str, str], value: int) -> str:
+        return f"question : what is the {key[1]} of {key[0]} ? answer : {value} ."
+
+    def filler(self) -> str:
+        return self.r.choice([self.sentence, self.sentence, self.counting, self.cycle,
+                              self.copy, self.sum])()
+
+    def paragraph(self, n_sentences: int, n_facts: int = 0) -> str:
+        """Sentences with facts stated early and asked for later (look-back structure)."""
+        facts = list(self.facts(n_facts).items()) if n_facts else []
+        out = [self.fact(k, v) for k, v in facts]
+        out += [self.filler() for _ in range(n_sentences)]
+        self.r.shuffle(facts)
+        out += [self.question(k, v) for k, v in facts]
+        return " ".join(out)
+
+    def code(self, n_funcs: int) -> str:
+        ks = [self.r.randrange(1, 60) for _ in range(n_funcs)]
+        lines = []
+        for i, k in enumerate(ks):
+            op = self.r.choice(["+", "-", "*"])
+            lines += [f"def f{i}(x):", f"    return x {op} {k}", ""]
+        for _ in range(n_funcs):
+            i, x = self.r.randrange(n_funcs), self.r.randrange(0, 20)
+            lines.append(f"print(f{i}({x}))")
+        return "\n".join(lines) + "\n"
+
+    def chat(self, n_turns: int) -> list[dict]:
+        facts = list(self.facts(n_turns).items())
+        msgs = [{"role": "system", "content": "you are a helpful assistant ."}] \
+            if self.r.random() < 0.5 else []
+        for key, value in facts:
+            fact = f"the {key[1]} of {key[0]} is {value} ."
+            msgs.append({"role": "user", "content": f"remember : {fact}"})
+            msgs.append({"role": "assistant", "content": f"ok , {fact}"})
+        for _ in range(n_turns):
+            kind = self.r.random()
+            if kind < 0.4 and facts:
+                key, value = self.r.choice(facts)
+                q = f"what is the {key[1]} of {key[0]} ?"
+                a = f"the {key[1]} of {key[0]} is {value} ."
+            elif kind < 0.7:
+                a0, n = self.r.randrange(0, 150), self.r.randrange(4, 12)
+                q = f"count from {a0} to {a0 + n - 1} ."
+                a = " ".join(str(a0 + i) for i in range(n)) + " ."
+            else:
+                q, a = "tell me a story .", " ".join(self.sentence() for _ in range(3))
+            msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        return msgs
+
+    def sum_cot(self, n_terms: int) -> tuple[str, str]:
+        nums = [self.r.randrange(1, 40) for _ in range(n_terms)]
+        problem = "add the numbers " + " , ".join(map(str, nums)) + " ."
+        steps, total = ["let me think step by step . start with 0 ."], 0
+        for x in nums:
+            steps.append(f"{total} plus {x} is {total + x} .")
+            total += x
+        steps.append(f"wait , let me check . the numbers were " + " , ".join(map(str, nums)) + " .")
+        steps.append(f"so the total is {total} . the answer is {total} .")
+        return problem, " ".join(steps)
+
+    def lookup_cot(self, n_facts: int) -> tuple[str, str]:
+        facts = list(self.facts(n_facts).items())
+        key, value = self.r.choice(facts[len(facts) // 2:])  # a long search before the hit
+        prompt = " ".join(self.fact(k, v) for k, v in facts) + \
+            f" question : what is the {key[1]} of {key[0]} ?"
+        steps = [f"i need the {key[1]} of {key[0]} . let me go through the facts ."]
+        for k, v in facts:
+            if k == key:
+                steps.append(f"the {k[1]} of {k[0]} is {v} . this is the one .")
+                break
+            steps.append(f"the {k[1]} of {k[0]} is {v} . not this one .")
+        steps.append(f"so the answer is {value} .")
+        return prompt, " ".join(steps)
+
+
+# --------------------------------------------------------------------------- stage data
+
+def base_records(rng: random.Random, n: int) -> list[dict]:
+    """Stage 1: short texts (~100-200 tokens)."""
+    lang = Lang(rng)
+    return [{"text": lang.paragraph(rng.randrange(6, 12), rng.randrange(0, 4))} for _ in range(n)]
+
+
+def long_records(rng: random.Random, n: int) -> list[dict]:
+    """Stage 2: ~1-2k-token documents in upstream's `source` kinds, plus plain chats."""
+    lang, out = Lang(rng), []
+    for i in range(n):
+        kind = ("book", "code", "arxiv", "tulu-v2", "messages")[i % 5]
+        if kind == "book":
+            text = "\n\n".join(f"chapter {c} .\n" + lang.paragraph(rng.randrange(20, 30), 3)
+                               for c in range(1, 5))
+            out.append({"source": "book", "text": text})
+        elif kind == "code":
+            out.append({"source": "code", "text": lang.code(rng.randrange(60, 90))})
+        elif kind == "arxiv":
+            facts = list(lang.facts(6).items())
+            article = " ".join(lang.fact(k, v) for k, v in facts) + " " + lang.paragraph(100)
+            abstract = "we study the facts . " + " ".join(lang.fact(k, v) for k, v in facts[:3])
+            out.append({"source": "arxiv", "article": article, "abstract": abstract})
+        elif kind == "tulu-v2":
+            out.append({"source": "tulu-v2", "conversation": lang.chat(rng.randrange(25, 40))})
+        else:
+            out.append({"messages": lang.chat(rng.randrange(25, 40))})
+    return out
+
+
+def longcot_records(rng: random.Random, n: int) -> list[dict]:
+    """Stage 3: long chain-of-thought in QwQ-LongCoT (`problem`/`qwq`) and prompt/response form."""
+    lang, out = Lang(rng), []
+    for i in range(n):
+        if i % 2 == 0:
+            problem, qwq = lang.sum_cot(rng.randrange(60, 120))
+            out.append({"problem": problem, "qwq": qwq})
+        else:
+            prompt, response = lang.lookup_cot(rng.randrange(30, 60))
+            out.append({"prompt": prompt, "response": response})
+    return out
+
+
+# Stages 2-3 train 60 steps x 2 records in the demo: 160 records leave 40 never drawn, the
+# held-out prompts their eval decodes.
+STAGE_DATA = {"base": (base_records, 2500), "long": (long_records, 160),
+              "longcot": (longcot_records, 160)}
+
+
+def render_chat(messages: list[dict], generation_prompt: bool = False) -> str:
+    """CHAT_TEMPLATE in Python, for the pre-training corpus (no tokenizer exists yet)."""
+    s = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return s + ("<|im_start|>assistant\n" if generation_prompt else "")
+
+
+def record_text(rec: dict) -> str:
+    """Any stage record as one document (chats in CHAT_TEMPLATE form)."""
+    if "text" in rec:
+        return rec["text"]
+    if "article" in rec:
+        msgs = [{"role": "user", "content": rec["article"]},
+                {"role": "assistant", "content": rec["abstract"]}]
+    elif "conversation" in rec or "messages" in rec:
+        msgs = rec.get("conversation") or rec["messages"]
+    else:
+        msgs = [{"role": "user", "content": rec.get("problem") or rec["prompt"]},
+                {"role": "assistant", "content": rec.get("qwq") or rec["response"]}]
+    return render_chat(msgs)
+
+
+def pretrain_corpus(rng: random.Random, n_short: int, n_long: int) -> list[str]:
+    """Documents of every kind the stages use, as the target sees them (chats rendered)."""
+    lang, docs = Lang(rng), []
+    for i in range(n_short):
+        k = i % 10
+        if k < 5:
+            docs.append(lang.paragraph(rng.randrange(6, 14), rng.randrange(0, 5)))
+        elif k == 5:
+            docs.append(lang.code(rng.randrange(5, 20)))
+        elif k in (6, 7):
+            docs.append(render_chat(lang.chat(rng.randrange(2, 6))))
+        elif k == 8:
+            docs.append(record_text(dict(zip(("problem", "qwq"),
+                                             lang.sum_cot(rng.randrange(5, 25))))))
+        else:
+            docs.append(record_text(dict(zip(("prompt", "response"),
+                                             lang.lookup_cot(rng.randrange(4, 15))))))
+    docs += [record_text(r) for r in long_records(rng, n_long)]
+    docs += [record_text(r) for r in longcot_records(rng, n_long // 2)]
+    return docs
