@@ -84,7 +84,7 @@ def run_request(req: RunRequest, console: Console | None = None) -> list[StageOu
             console.say(cmd.shell())
             if req.measuring:
                 console.say("# then: " + " ".join(eval_argv(manifest, p.spec))
-                            + (f" ; gate: stop unless tau >= {100 - req.gate:g}% of the upstream draft's"
+                            + (f" ; gate: stop unless tau >= {100 - req.gate:g}% of the input draft's"
                                if req.gate is not None else ""))
             for line in lines:
                 console.say("# " + line)
