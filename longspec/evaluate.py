@@ -69,9 +69,9 @@ def stage_draft(run_dir: Path, conf: Mapping, complete: Mapping | None, args) ->
     return str(stage), draft, target, window
 
 
-def default_num_prompts(context_tokens: int) -> int:
-    """Prompts per length bucket: PROMPT_TOKEN_BUDGET tokens' worth, MIN_PROMPTS to MAX_PROMPTS."""
-    return max(MIN_PROMPTS, min(MAX_PROMPTS, PROMPT_TOKEN_BUDGET // max(1, context_tokens)))
+def default_num_prompts(context_tokens: int, buckets: int = 1) -> int:
+    """Prompts for a length bucket: its share of PROMPT_TOKEN_BUDGET tokens, MIN_PROMPTS to MAX_PROMPTS."""
+    return max(MIN_PROMPTS, min(MAX_PROMPTS, PROMPT_TOKEN_BUDGET // max(1, buckets * context_tokens)))
 
 
 class EvalError(Exception):
@@ -174,8 +174,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lengths", help="context-length buckets, e.g. 1k,4k,16k,32k (default: powers of two "
                                      "from 1k up to max_seq_length, and max_seq_length)")
     p.add_argument("--num-prompts", type=int, default=None,
-                   help=f"prompts per length bucket (default: {PROMPT_TOKEN_BUDGET} prompt tokens' worth, "
-                        f"{MIN_PROMPTS} to {MAX_PROMPTS}); per task with --bench (default: all)")
+                   help=f"prompts per length bucket (default: {PROMPT_TOKEN_BUDGET} prompt tokens' worth shared "
+                        f"by the buckets, {MIN_PROMPTS} to {MAX_PROMPTS} each); per task with --bench (default: all)")
     p.add_argument("--method", action="append", choices=METHODS,
                    help="chain (gamma draft tokens in a row) or tree (--tree-shape); repeat to measure both on the "
                         "same prompts; the first is eval.json's headline (default: chain)")
@@ -271,7 +271,7 @@ def pick_prompts(args, conf: dict, complete: dict | None, tok, max_seq: int, lim
     trained_on = _path(_get(conf, "train_file"))
     same_data = trained_on is not None and Path(data).resolve() == trained_on.resolve()
     steps = (complete or {}).get("steps") if args.draft is None and same_data else None
-    per = {n: args.num_prompts or default_num_prompts(n) for n in lengths}
+    per = {n: args.num_prompts or default_num_prompts(n, len(lengths)) for n in lengths}
     prompts, info = P.stage_prompts(Path(data), tok, conf, steps, lengths=lengths, per_length=per)
     if not same_data:
         info["heldout_check"] = "another file than the stage's train_file"

@@ -274,6 +274,7 @@ def test_default_prompt_count_follows_a_token_budget():
     assert default_num_prompts(64) == MAX_PROMPTS      # short prompts: many, tau varies per prompt
     assert default_num_prompts(448) == 9
     assert default_num_prompts(32_000) == MIN_PROMPTS  # 32k prompts: a few
+    assert default_num_prompts(64, 2) == 32 and default_num_prompts(128, 2) == 16   # buckets share the budget
 
 
 def test_prefill_keeps_only_the_last_positions_logits(tiny_target):
