@@ -15,7 +15,7 @@ cut at its question (the conversation up to the last user turn with the template
 prompt; its answer is never in the prompt), a document cut at each context length; or --prompts
 FILE; or --bench longbench:FOLDER / aime:FILE. Decoding stops at the end of turn / EOS or at the
 new-token limit (1,024 for documents, chats and LongBench, 200 for chain-of-thought and AIME, at
-most a quarter of max_seq_length; --max-new-tokens sets one for all).
+most an eighth of max_seq_length; --max-new-tokens sets one for all).
 
 Length buckets (longspec.evalreport): --lengths, default powers of two from 1k up to the stage's
 max_seq_length and that length (two at least); a prompt falls in the smallest length >= its
@@ -189,7 +189,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "output follows the target's sampling distribution)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="new tokens per prompt (default: 1024 for documents, chats and LongBench, 200 for "
-                        "chain-of-thought and AIME, at most a quarter of max_seq_length)")
+                        "chain-of-thought and AIME, at most an eighth of max_seq_length)")
     p.add_argument("--sliding-window", type=int, help="draft self-attention window (default: draft.sliding_window)")
     p.add_argument("--no-eos", action="store_true", help="do not stop at the end of turn / EOS")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))

@@ -25,11 +25,11 @@ from typing import Any
 
 # New tokens per prompt kind when --max-new-tokens is not given: upstream measures LongBench with
 # 1,024 and AIME with 200 (sail-sg/LongSpec longspec/test). Documents and chats follow LongBench,
-# chain-of-thought questions AIME; never more than a quarter of the stage's max_seq_length
+# chain-of-thought questions AIME; never more than an eighth of the stage's max_seq_length
 # (NEW_TOKENS_SHARE), so a small stage's continuation stays near the length it was trained at.
 DEFAULT_NEW_TOKENS = {"document": 1024, "chat": 1024, "longbench": 1024, "cot": 200, "aime": 200, "given": 1024}
-NEW_TOKENS_SHARE = 4
-MIN_NEW_TOKENS = 16
+NEW_TOKENS_SHARE = 8
+MIN_NEW_TOKENS = 32
 MIN_CONTEXT = 8
 SYSTEM_PROMPT = "You are a helpful assistant"   # upstream's benchmark scripts' system turn
 
@@ -139,8 +139,8 @@ def record_prompts(rec: Any, where: str, tokenizer, lengths: list[int], stops: t
 
 
 def limit_new_tokens(prompts: list[Prompt], max_new: int | None, max_seq: int) -> None:
-    """Each prompt's new-token limit: --max-new-tokens, else its kind's default within a quarter
-    of the stage's max_seq_length."""
+    """Each prompt's new-token limit: --max-new-tokens, else its kind's default within an eighth
+    of the stage's max_seq_length (MIN_NEW_TOKENS at least)."""
     cap = max(MIN_NEW_TOKENS, max_seq // NEW_TOKENS_SHARE)
     for p in prompts:
         p.max_new = max_new or min(DEFAULT_NEW_TOKENS.get(p.kind, 1024), cap)

@@ -55,7 +55,7 @@ A chat or chain-of-thought record gives its question: the conversation up to the
 with the chat template's generation prompt (its answer is never in the prompt); a document gives
 its first L tokens for each length L. Decoding stops at the end of turn / EOS or after
 --max-new-tokens (default 1024 for documents and chats, 200 for chain-of-thought, as upstream's
-LongBench and AIME scripts; at most a quarter of the stage's max_seq_length).
+LongBench and AIME scripts; at most an eighth of the stage's max_seq_length).
 
 --lengths 1k,4k,16k,32k: the context-length buckets (default: powers of two from 1k up to the
 stage's max_seq_length and that length, two at least); a prompt counts in the smallest length
@@ -89,7 +89,7 @@ def eval_cmd(
                                       "speculative sampling at this temperature."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1,
                                                  help="Tokens generated per prompt at most (default: 1024, 200 "
-                                                      "for chain-of-thought; a quarter of max_seq_length at most).",
+                                                      "for chain-of-thought; an eighth of max_seq_length at most).",
                                                  show_default=False),
     num_prompts: Optional[int] = typer.Option(None, "--num-prompts", min=1,
                                               help="Prompts per length bucket (default: 8 to 32, 4,096 prompt "

@@ -273,7 +273,7 @@ def test_eval_on_a_finished_tiny_stage(tiny_project):
     assert ok and "same prompts" in message
     assert r["stage"] == "base" and r["lossless"] is True and r["prompts"] == len(r["per_prompt"]) and r["gamma"] == 4
     assert 1.0 <= r["tau"] <= 5.0 and r["spec_tokens_per_s"] > 0 and r["target_tokens_per_s"] > 0
-    assert r["context_tokens_max"] <= 48 and r["max_new_tokens"] == 16 and r["eval_json"] == str(out / "eval.json")   # the default measurement
+    assert r["context_tokens_max"] <= 48 and r["max_new_tokens"] == 32 and r["eval_json"] == str(out / "eval.json")   # the default measurement
     ev = read_eval(out)                                         # what the gate reads
     stage_sha = json.loads((out / "stage_complete.json").read_text())["sha256"]
     assert eval_is_current(ev, stage_sha)

@@ -53,7 +53,7 @@ def test_a_chain_of_thought_record_gives_its_problem_alone(tok):
     P.limit_new_tokens([p], None, 4096)
     assert p.max_new == 200                                                # upstream's AIME figure
     P.limit_new_tokens([p], None, 512)
-    assert p.max_new == 128                                                # a quarter of the stage's length
+    assert p.max_new == 64                                                 # an eighth of the stage's length
 
 
 def test_a_document_prompt_in_bucket_L_has_L_tokens(tok):
