@@ -143,3 +143,13 @@ def test_malformed_bench_files_name_file_and_line(tok, tmp_path):
     prompts, info = benchfiles.aime_prompts(aime, tok, n=2)
     assert [p.task for p in prompts] == ["aime", "aime"] and info["tasks"] == {"aime": 2}
     assert tok.decode(prompts[1].ids).endswith("<|im_start|>user\nadd 5 and 6 .<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_decoding_stops_at_the_end_of_turn_or_the_eos():
+    from longspec.spec_decode import _finish
+
+    assert _finish([5, 2, 7], 10, (0, 2)) == ([5, 2], True)       # the end-of-turn token, kept
+    assert _finish([5, 0, 2], 10, (0, 2)) == ([5, 0], True)       # the EOS
+    assert _finish([5, 6], 10, (0, 2)) == ([5, 6], False)
+    assert _finish([5, 6, 7], 2, 0) == ([5, 6], True)             # one id, as before
+    assert _finish([5, 0], 10, None) == ([5, 0], False)
