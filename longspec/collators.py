@@ -65,10 +65,13 @@ def _short_text(rec: dict, tokenizer):
     return [(_field(rec, name), "text")], True, True
 
 
-def _long_data(rec: dict, tokenizer):
+def long_data_messages(rec: dict) -> list[dict] | None:
+    """Stage 2's conversation of a record (an arXiv summary with upstream's instruction, a tulu-v2
+    or plain `messages` chat), None for a document (code, book, `text`): what the trainer trains
+    and what evaluation asks (longspec.prompts)."""
     source = rec.get("source")
     if source in ("code", "book") or (source not in LONG_SOURCES and "text" in rec):
-        return [(_field(rec, "text"), "text")], True, False
+        return None
     if source == "arxiv" or (source is None and "article" in rec):
         article = _field(rec, "article", (str, list), "a string or a list of strings")
         abstract = _field(rec, "abstract", (str, list), "a string or a list of strings")
@@ -82,15 +85,22 @@ def _long_data(rec: dict, tokenizer):
         for art, abs_ in zip(articles, abstracts):
             msgs += [{"role": "user", "content": ARXIV_INSTRUCTION.format(article=art)},
                      {"role": "assistant", "content": abs_}]
-        return chat_pieces(tokenizer, msgs), False, False
+        return msgs
     if source == "tulu-v2" or (source is None and ("conversation" in rec or "messages" in rec)):
         name = "conversation" if "conversation" in rec or "messages" not in rec else "messages"
-        return chat_pieces(tokenizer, messages_of(rec, name)), False, False
+        return messages_of(rec, name)
     if source is None:
         raise RecordError("missing field 'source' (or one of 'text', 'article', 'conversation', "
                           "'messages')")
     raise RecordError(f"unknown source {source!r} without a 'text' field; known sources: "
                       f"{', '.join(LONG_SOURCES)}")
+
+
+def _long_data(rec: dict, tokenizer):
+    msgs = long_data_messages(rec)
+    if msgs is None:
+        return [(_field(rec, "text"), "text")], True, False
+    return chat_pieces(tokenizer, msgs), False, False
 
 
 def long_cot_messages(rec: dict) -> list[dict]:

@@ -1,33 +1,32 @@
-"""Measure a stage's draft: tau, speculative vs plain tokens/s, speed-up, and losslessness.
+"""Measure a stage's draft: tau by context length, speculative vs plain tokens/s, speed-up, losslessness.
 
     python -m longspec.evaluate RUN_DIR [--method chain|tree ...] [--gamma 4] [--tree-shape 4 16 16 16 16]
-                                [--temperature T] [--prompts FILE] [--max-new-tokens 64]
-                                [--num-prompts N] [--context-tokens N] [--json] [--no-write]
+                                [--lengths 1k,4k,16k,32k] [--prompts FILE | --bench longbench:DIR | aime:FILE]
+                                [--max-new-tokens N] [--num-prompts N] [--temperature T] [--json] [--no-write]
 
 RUN_DIR is a finished stage's output_dir. Its training_config.yaml (the resolved config the
 trainer wrote) names the target, the training data, the draft's sliding window and the stage's
 max_seq_length; stage_complete.json names the final weights. Every one of them can be given
 as a flag instead (--target, --draft, --data, --sliding-window).
 
-Prompts: --prompts FILE (JSON/JSONL: strings or {"prompt": ...} used whole; training records
-are rendered and cut), else held-out records of the stage's train_file: the last --num-prompts
-records the run never drew (the trainer's sampler is replayed from the config, seed and step
-count; eval.json says how many prompts were drawn anyway when too few were left). A record is
-tokenized as the trainer does (longspec.data.encode_record, the stage's collator) and cut to
-min(len - 1, max_seq_length - max_new_tokens) tokens (or --context-tokens), so base prompts
-are short and long/longcot prompts long, as the stage was trained.
+Prompts (longspec.prompts, longspec.benchfiles): held-out records of the stage's train_file (the
+newest the run never drew; the trainer's sampler is replayed), a chat or chain-of-thought record
+cut at its question (the conversation up to the last user turn with the template's generation
+prompt; its answer is never in the prompt), a document cut at each context length; or --prompts
+FILE; or --bench longbench:FOLDER / aime:FILE. Decoding stops at the end of turn / EOS or at the
+new-token limit (1,024 for documents, chats and LongBench, 200 for chain-of-thought and AIME, at
+most an eighth of max_seq_length; --max-new-tokens sets one for all).
 
-For each prompt: plain decoding and speculative decoding with each --method (chain: gamma draft
-tokens in a row, longspec.spec_decode; tree: a token tree of --tree-shape, longspec.tree_decode,
-whose docstring gives the shape's meaning and the sampling rule). Greedy (--temperature 0): the
-outputs must be equal token for token (`lossless`); sampling: `lossless` is null and the plain
-baseline samples from the target. tau = tokens per target verify forward (accepted draft tokens
-+ the bonus token). eval.json's headline fields (tau, speed-up, lossless) are the first method's;
-`methods` holds every method's figures. --baseline-draft (the upstream stage's final
-draft) is decoded on the same prompts too, so eval.json's `baseline.tau` compares the two drafts
-on this stage's data (what the quality gate uses; tau on another stage's prompts is not comparable). Writes RUN_DIR/eval.json atomically and
-prints the result (one JSON object with --json). Exit codes: 0 ok, 1 not lossless or no
-finished draft, 2 usage, 3 unreadable input (draft, data, config).
+Length buckets (longspec.evalreport): --lengths, default powers of two from 1k up to the stage's
+max_seq_length and that length (two at least); a prompt falls in the smallest length >= its
+tokens. Per bucket (eval.json `by_length`) and per benchmark task (`by_task`): prompts, chain and
+tree tau and speed-up, and the input draft's tau on the same prompts (--baseline-draft: the
+draft_from stage's final draft, decoded with the first method). Greedy (--temperature 0): the
+outputs must be equal token for token (`lossless`); sampling: `lossless` is null. tau = tokens
+per target verify forward. The headline fields (tau, speed-up, lossless) are the first method's
+over all prompts. The stage's default measurement writes RUN_DIR/eval.json (what `status` and the
+quality gate read); --prompts, --bench or other settings write RUN_DIR/eval-<what>.json instead.
+Exit codes: 0 ok, 1 not lossless or no finished draft, 2 usage, 3 unreadable input.
 """
 from __future__ import annotations
 
@@ -38,9 +37,11 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-EVAL_NAME = "eval.json"
+from longspec.evalmeasure import METHODS
+from longspec.evalreport import EVAL_NAME
+from longspec.prompts import PromptError, conf_get as _get
+
 DEFAULT_GAMMA = 4
-DEFAULT_MAX_NEW = 64
 # Prompts to decode when --num-prompts is not given: a budget of prompt tokens, so short-context
 # stages get many prompts (tau varies a lot from prompt to prompt) and 32k stages stay affordable.
 PROMPT_TOKEN_BUDGET = 4096
@@ -68,9 +69,9 @@ def stage_draft(run_dir: Path, conf: Mapping, complete: Mapping | None, args) ->
     return str(stage), draft, target, window
 
 
-def default_num_prompts(context_tokens: int) -> int:
-    return max(MIN_PROMPTS, min(MAX_PROMPTS, PROMPT_TOKEN_BUDGET // max(1, context_tokens)))
-MIN_CONTEXT = 8
+def default_num_prompts(context_tokens: int, buckets: int = 1) -> int:
+    """Prompts for a length bucket: its share of PROMPT_TOKEN_BUDGET tokens, MIN_PROMPTS to MAX_PROMPTS."""
+    return max(MIN_PROMPTS, min(MAX_PROMPTS, PROMPT_TOKEN_BUDGET // max(1, buckets * context_tokens)))
 
 
 class EvalError(Exception):
@@ -100,147 +101,6 @@ def read_run(run_dir: Path) -> tuple[dict, dict | None]:
     if why:
         raise EvalError(why, 3)
     return conf, complete
-
-
-def _get(conf: dict, dotted: str, default: Any = None) -> Any:
-    node: Any = conf
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return default
-        node = node[part]
-    return node
-
-
-# ----------------------------------------------------------------------------- prompts
-
-def read_prompt_file(path: Path) -> list[Any]:
-    """A --prompts file: a JSON list or JSONL of strings / objects (blank lines skipped)."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise EvalError(f"{path}: no such file", 2) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise EvalError(f"{path}: cannot read ({e})", 3) from None
-    if text.lstrip().startswith("["):
-        try:
-            data = json.loads(text)
-        except ValueError as e:
-            raise EvalError(f"{path}: not valid JSON ({e})", 3) from None
-        return list(data)
-    out = []
-    for i, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except ValueError as e:
-                raise EvalError(f"{path}:{i}: not valid JSON ({e})", 3) from None
-    return out
-
-
-def whole_prompt(rec: Any) -> str | None:
-    """A --prompts entry used as is: a string, or {"prompt": ...} without a response."""
-    if isinstance(rec, str):
-        return rec
-    if isinstance(rec, dict) and isinstance(rec.get("prompt"), str) and "response" not in rec:
-        return rec["prompt"]
-    return None
-
-
-def record_ids(rec: dict, tokenizer, collator: str) -> list[int] | None:
-    """The token ids the trainer makes of a record (longspec.data.encode_record, no length cap,
-    the closing EOS dropped); None for a record the collator cannot use."""
-    from longspec.data import RecordError, encode_record
-
-    try:
-        ids, _ = encode_record(rec, tokenizer, collator, 1 << 40)
-    except RecordError:
-        return None
-    if ids and ids[-1] == tokenizer.eos_token_id:
-        ids = ids[:-1]
-    return ids
-
-
-def trained_indices(n: int, conf: dict, steps: int | None) -> set[int] | None:
-    """Record indices the stage's run drew, replaying the trainer's own sampler
-    (longspec.data.ShardedBatchSampler: seeded shuffle per epoch, dealt over ranks); None when
-    that cannot be known (records skipped as bad, unknown step count or batch layout)."""
-    from longspec.data import ShardedBatchSampler
-
-    batch, accum = _get(conf, "per_gpu_train_batch_size"), _get(conf, "gradient_accumulation_steps", 1)
-    glob, seed = _get(conf, "global_batch_size"), _get(conf, "seed", 42)
-    if _get(conf, "data.on_bad_record", "error") != "error" or not isinstance(steps, int) or steps < 0 \
-            or not isinstance(batch, int) or not isinstance(accum, int) or batch < 1 or accum < 1:
-        return None
-    world = glob // (batch * accum) if isinstance(glob, int) and glob >= batch * accum else 1
-    seen: set[int] = set()
-    for rank in range(world):
-        sampler = ShardedBatchSampler(n, batch, seed, rank, world)
-        left, epoch = steps * accum, 0                    # micro-batches this rank took
-        while left > 0 and len(seen) < n:
-            mine = sampler.epoch_indices(epoch)
-            for start in range(0, len(mine), batch):
-                if left == 0:
-                    break
-                seen.update(mine[start:start + batch])
-                left -= 1
-            epoch += 1
-    return seen
-
-
-def stage_prompts(path: Path, tokenizer, conf: dict, steps: int | None, *, n: int, cap: int) -> tuple[list, dict]:
-    """The last `n` usable records of the stage's data that its run never drew, cut to `cap` tokens."""
-    from collections import deque
-
-    from longspec.data import DataError, read_records
-
-    collator = _get(conf, "data.collator", "short_text")
-    tail: deque = deque(maxlen=max(64, 16 * n))
-    count = 0
-    try:
-        for _, rec in read_records(path, _get(conf, "data.on_bad_record", "error")):
-            tail.append((count, rec))
-            count += 1
-    except (DataError, OSError) as e:
-        raise EvalError(f"{path}: {e}", 3 if not isinstance(e, FileNotFoundError) else 2) from None
-    seen = trained_indices(count, conf, steps)
-    fresh, drawn = [], []
-    for idx, rec in reversed(tail):
-        ids = record_ids(rec, tokenizer, collator)
-        if ids is None or len(ids) < MIN_CONTEXT + 1:
-            continue
-        (drawn if seen is not None and idx in seen else fresh).append(ids[: min(len(ids) - 1, cap)])
-        if len(fresh) == n:
-            break
-    prompts = (fresh + drawn)[:n][::-1]
-    if not prompts:
-        raise EvalError(f"{path}: no record usable as a prompt (collator {collator})", 3)
-    info = {"prompt_source": str(path), "records": count,
-            "records_drawn_in_training": None if seen is None else len(seen),
-            "prompts_drawn_in_training": None if seen is None else max(0, len(prompts) - len(fresh)),
-            "heldout_check": "replayed the trainer's sampler" if seen is not None else "not possible (unverified)"}
-    return prompts, info
-
-
-def file_prompts(path: Path, tokenizer, conf: dict, *, n: int, cap: int) -> tuple[list, dict]:
-    """--prompts: whole prompts as given; training-style records rendered like the trainer and cut."""
-    collator = _get(conf, "data.collator", "short_text")
-    prompts = []
-    for i, rec in enumerate(read_prompt_file(path)[:n]):
-        whole = whole_prompt(rec)
-        if whole is not None:
-            ids = tokenizer(whole)["input_ids"]           # the tokenizer's own specials, as for a document
-        elif isinstance(rec, dict):
-            ids = record_ids(rec, tokenizer, collator)
-            if ids is None:
-                raise EvalError(f"{path}: entry {i + 1} is not a prompt nor a {collator} record", 3)
-            ids = ids[: min(len(ids) - 1, cap)]
-        else:
-            raise EvalError(f"{path}: entry {i + 1} must be a string or an object", 3)
-        if ids:
-            prompts.append(ids)
-    if not prompts:
-        raise EvalError(f"{path}: no prompts", 3)
-    return prompts, {"prompt_source": str(path)}
 
 
 # ----------------------------------------------------------------------------- models
@@ -293,131 +153,6 @@ def load_models(target: Path, draft: Path, sliding_window: int, dtype, device):
     return glide.target.model, glide.target, glide.draft, tok
 
 
-# ----------------------------------------------------------------------------- measuring
-
-METHODS = ("chain", "tree")
-
-
-def decoder(model, target, *, method: str, gamma: int, tree_shape, temperature: float, max_new_tokens: int,
-            eos_token_id: int | None):
-    """f(draft, prompt (1, P), generator) -> DecodeResult for one method. The greedy chain keeps its
-    own loop; a sampled chain is the tree code with one node per level (the same acceptance rule)."""
-    from longspec.spec_decode import GlideProposer, speculative_decode
-    from longspec.tree_decode import GlideTreeProposer, chain_shape, tree_decode
-
-    if method == "chain" and temperature == 0:
-        return lambda d, p, g: speculative_decode(model, GlideProposer(target, d), p, gamma, max_new_tokens,
-                                                  eos_token_id)
-    shape = chain_shape(gamma) if method == "chain" else tuple(tree_shape)
-    return lambda d, p, g: tree_decode(model, GlideTreeProposer(target, d), p, shape, max_new_tokens, eos_token_id,
-                                       temperature, g)
-
-
-def plain_decoder(model, *, temperature: float, max_new_tokens: int, eos_token_id: int | None):
-    from longspec.spec_decode import greedy_decode
-    from longspec.tree_decode import sample_decode
-
-    if temperature == 0:
-        return lambda p, g: greedy_decode(model, p, max_new_tokens, eos_token_id)
-    return lambda p, g: sample_decode(model, p, max_new_tokens, temperature, eos_token_id, g)
-
-
-def measure(model, target, draft, prompts: list[list[int]], *, gamma: int, max_new_tokens: int,
-            eos_token_id: int | None, device, log=None, baseline=None, methods=("chain",),
-            tree_shape=(4, 16, 16, 16, 16), temperature: float = 0.0, seed: int = 0) -> dict:
-    """Plain decoding and speculative decoding (each method) of every prompt; aggregate figures
-    per method + per-prompt rows. Greedy (temperature 0): every method's output must equal plain
-    greedy's (``lossless``); sampling: ``lossless`` is None (no token-for-token comparison exists;
-    the test suite checks the distribution). ``baseline``: another draft (the upstream stage's)
-    decoded with the first method on the same prompts, for its tau."""
-    import torch
-
-    opts = dict(gamma=gamma, tree_shape=tree_shape, temperature=temperature, max_new_tokens=max_new_tokens,
-                eos_token_id=eos_token_id)
-    specs = {m: decoder(model, target, method=m, **opts) for m in methods}
-    plain = plain_decoder(model, temperature=temperature, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
-
-    def gen(i):
-        return torch.Generator().manual_seed(seed * 100_003 + i)
-
-    warm = torch.tensor([prompts[0][-16:]], device=device)     # first-call costs out of the timing
-    plain(warm, gen(0))
-    for f in specs.values():
-        f(draft, warm, gen(0))
-    rows = []
-    tot = {m: {"acc": 0, "steps": 0, "tok": 0, "time": 0.0, "same": True} for m in methods}
-    base = {"acc": 0, "steps": 0, "same": True}
-    g_tok = g_time = 0.0
-    for i, ids in enumerate(prompts):
-        p = torch.tensor([ids], device=device)
-        g = plain(p, gen(i))
-        g_tok, g_time = g_tok + max(0, len(g.tokens) - 1), g_time + g.decode_s
-        row: dict = {"prompt_tokens": len(ids)}
-        for m, f in specs.items():
-            s = f(draft, p, gen(i))
-            same = None if temperature > 0 else g.tokens == s.tokens
-            first_diff = None if same is not False else next(
-                (j for j, (a, b) in enumerate(zip(g.tokens, s.tokens)) if a != b), min(len(g.tokens), len(s.tokens)))
-            t = tot[m]
-            t["acc"], t["steps"] = t["acc"] + sum(s.accepted), t["steps"] + len(s.accepted)
-            t["tok"], t["time"] = t["tok"] + max(0, len(s.tokens) - 1), t["time"] + s.decode_s
-            t["same"] = t["same"] and same is not False
-            if m == methods[0]:
-                row.update({"new_tokens": len(s.tokens), "tau": round(s.tau, 4), "target_forwards": s.target_forwards,
-                            "lossless": same, "first_mismatch": first_diff})
-            else:
-                row.update({f"{m}_tau": round(s.tau, 4), f"{m}_lossless": same})
-        if baseline is not None:
-            b = specs[methods[0]](baseline, p, gen(i))
-            base["acc"], base["steps"] = base["acc"] + sum(b.accepted), base["steps"] + len(b.accepted)
-            base["same"] = base["same"] and (temperature > 0 or b.tokens == g.tokens)
-            row["baseline_tau"] = round(b.tau, 4)
-        rows.append(row)
-        if log:
-            log(f"prompt {i + 1}/{len(prompts)}: {len(ids)} tokens -> {row['new_tokens']} new, "
-                + ", ".join(f"{m} tau {row['tau'] if m == methods[0] else row[m + '_tau']:.2f}" for m in methods)
-                + (f" (upstream draft {row['baseline_tau']:.2f})" if baseline is not None else "")
-                + ("" if row["lossless"] is not False else f", NOT LOSSLESS at token {row['first_mismatch']}"))
-    target_tps = g_tok / g_time if g_time > 0 else 0.0
-    per_method = {}
-    for m in methods:
-        t = tot[m]
-        tps = t["tok"] / t["time"] if t["time"] > 0 else 0.0
-        per_method[m] = {
-            "method": m, "tau": round(t["acc"] / t["steps"], 4) if t["steps"] else 0.0,
-            "spec_tokens_per_s": round(tps, 2), "target_tokens_per_s": round(target_tps, 2),
-            "speedup": round(tps / target_tps, 4) if target_tps > 0 else 0.0,
-            "lossless": None if temperature > 0 else t["same"], "target_forwards": int(t["steps"]),
-            "temperature": temperature,
-            "gamma": gamma if m == "chain" else len(tree_shape),
-            "tree_shape": list(tree_shape) if m == "tree" else None,
-            "max_tau": (gamma if m == "chain" else len(tree_shape)) + 1,
-        }
-    first = per_method[methods[0]]
-    flags = [pm["lossless"] for pm in per_method.values()]
-    out = {**{k: first[k] for k in ("tau", "spec_tokens_per_s", "target_tokens_per_s", "speedup")},
-           "lossless": None if temperature > 0 else all(flags),
-           "generated_tokens": int(sum(r["new_tokens"] for r in rows)), "target_forwards": first["target_forwards"],
-           "methods": per_method, "per_prompt": rows}
-    if baseline is not None:
-        out["baseline"] = {"tau": round(base["acc"] / base["steps"], 4) if base["steps"] else 0.0,
-                           "lossless": None if temperature > 0 else base["same"], "method": methods[0]}
-    return out
-
-
-def load_baseline(path: Path, draft, dtype, device):
-    """A second draft of the same shape (the upstream stage's), for a same-prompts comparison."""
-    from longspec.checkpoint import DraftLoadError, load_draft_state, load_draft_weights
-    from longspec.model import GlideDraft
-
-    other = GlideDraft(draft.config).to(dtype)
-    try:
-        load_draft_weights(other, load_draft_state(path))
-    except DraftLoadError as e:
-        raise EvalError(f"baseline draft: {e}", 3) from None
-    return other.to(device).eval()
-
-
 # ----------------------------------------------------------------------------- main
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -428,11 +163,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--draft", type=Path, help="draft weights (default: the stage's final weights)")
     p.add_argument("--data", type=Path, help="records to take prompts from (default: train_file)")
     p.add_argument("--baseline-draft", type=Path,
-                   help="also decode the same prompts with this draft (the upstream stage's) and report its tau")
+                   help="the input draft (the draft_from stage's): also decoded on the same prompts, its tau reported")
     p.add_argument("--baseline-stage", help="name of the stage --baseline-draft comes from (for eval.json)")
     p.add_argument("--prompts", type=Path, help="JSON/JSONL prompts file (overrides --data)")
+    p.add_argument("--bench", help="longbench:FOLDER (LongBench's <task>.jsonl files) or aime:FILE (problems)")
+    p.add_argument("--min-prompt-tokens", type=int, default=None,
+                   help="--bench longbench: shortest prompt kept (default 1200, as upstream)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="--bench longbench: longest prompt kept (default: the target's position limit - 2000)")
+    p.add_argument("--lengths", help="context-length buckets, e.g. 1k,4k,16k,32k (default: powers of two "
+                                     "from 1k up to max_seq_length, and max_seq_length)")
     p.add_argument("--num-prompts", type=int, default=None,
-                   help=f"default: {PROMPT_TOKEN_BUDGET} prompt tokens' worth, {MIN_PROMPTS} to {MAX_PROMPTS}")
+                   help=f"prompts per length bucket (default: {PROMPT_TOKEN_BUDGET} prompt tokens' worth shared "
+                        f"by the buckets, {MIN_PROMPTS} to {MAX_PROMPTS} each); per task with --bench (default: all)")
     p.add_argument("--method", action="append", choices=METHODS,
                    help="chain (gamma draft tokens in a row) or tree (--tree-shape); repeat to measure both on the "
                         "same prompts; the first is eval.json's headline (default: chain)")
@@ -444,27 +187,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (lossless, checked token for token); > 0 = speculative sampling (the "
                         "output follows the target's sampling distribution)")
-    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW)
-    p.add_argument("--context-tokens", type=int, help="cut rendered records to this many tokens")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="new tokens per prompt (default: 1024 for documents, chats and LongBench, 200 for "
+                        "chain-of-thought and AIME, at most an eighth of max_seq_length)")
     p.add_argument("--sliding-window", type=int, help="draft self-attention window (default: draft.sliding_window)")
-    p.add_argument("--no-eos", action="store_true", help="do not stop at the EOS token")
+    p.add_argument("--no-eos", action="store_true", help="do not stop at the end of turn / EOS")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"))
     p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: stable timings)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    p.add_argument("--no-write", action="store_true", help="do not write eval.json")
+    p.add_argument("--no-write", action="store_true", help="do not write a result file")
     args = p.parse_args(argv)
-    for name in ("num_prompts", "gamma", "max_new_tokens", "threads"):
+    for name in ("num_prompts", "gamma", "max_new_tokens", "threads", "max_prompt_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise EvalError(f"--{name.replace('_', '-')} must be >= 1", 2)
-    if args.context_tokens is not None and args.context_tokens < 1:
-        raise EvalError("--context-tokens must be >= 1", 2)
+    if args.min_prompt_tokens is not None and args.min_prompt_tokens < 0:
+        raise EvalError("--min-prompt-tokens must be >= 0", 2)
     if not (args.temperature >= 0 and args.temperature < float("inf")):
         raise EvalError(f"--temperature must be a number >= 0 (got {args.temperature})", 2)
+    if args.prompts is not None and args.bench is not None:
+        raise EvalError("--prompts and --bench: give one of them", 2)
+    from longspec.evalreport import parse_lengths
+
+    if args.lengths is not None:
+        try:
+            args.lengths = parse_lengths(args.lengths)
+        except ValueError as e:
+            raise EvalError(f"--lengths: {e}", 2) from None
     args.method = list(dict.fromkeys(args.method or ["chain"]))
     from longspec.tree_decode import DEFAULT_TREE_SHAPE, parse_tree_shape
 
+    args.default_tree = args.tree_shape is None
     try:
         args.tree_shape = parse_tree_shape(args.tree_shape or DEFAULT_TREE_SHAPE)
     except ValueError as e:
@@ -472,10 +226,63 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def nondefault_settings(args) -> list[str]:
+    """What of this measurement is not the stage's default one (named in its result file)."""
+    out = []
+    if args.data is not None:
+        out.append("data-" + args.data.stem)
+    if args.draft is not None:
+        out.append("draft-" + args.draft.stem)
+    if args.gamma != DEFAULT_GAMMA:
+        out.append(f"gamma{args.gamma}")
+    if not args.default_tree:
+        out.append("tree" + "-".join(map(str, args.tree_shape)))
+    if args.temperature:
+        out.append(f"t{args.temperature:g}")
+    for flag in ("lengths", "max_new_tokens", "num_prompts"):
+        value = getattr(args, flag)
+        if value is not None:
+            out.append(flag.split("_")[0] + ("-".join(map(str, value)) if isinstance(value, list) else str(value)))
+    return out
+
+
+def pick_prompts(args, conf: dict, complete: dict | None, tok, max_seq: int, limit: int):
+    """(prompts, info, lengths) of this measurement (longspec.prompts / longspec.benchfiles)."""
+    from longspec import benchfiles, prompts as P
+    from longspec.evalreport import default_lengths
+
+    if args.bench is not None:
+        kind, where = benchfiles.parse_bench(args.bench)
+        if kind == "longbench":
+            hi = args.max_prompt_tokens or max(1, limit - benchfiles.LIMIT_MARGIN)
+            lo = benchfiles.MIN_PROMPT_TOKENS if args.min_prompt_tokens is None else args.min_prompt_tokens
+            prompts, info = benchfiles.longbench_prompts(where, tok, min_tokens=lo, max_tokens=hi, n=args.num_prompts)
+        else:
+            prompts, info = benchfiles.aime_prompts(where, tok, n=args.num_prompts)
+        lengths = args.lengths or default_lengths(max(max_seq, max(len(p.ids) for p in prompts)))
+        return prompts, info, lengths
+    lengths = args.lengths or default_lengths(max_seq)
+    if args.prompts is not None:
+        prompts, info = P.file_prompts(args.prompts, tok, lengths=lengths, n=args.num_prompts)
+        return prompts, info, lengths
+    data = args.data or _path(_get(conf, "train_file"))
+    if data is None:
+        raise EvalError(f"{args.run_dir}: no train_file recorded", 2, hint="pass --prompts FILE or --data FILE")
+    trained_on = _path(_get(conf, "train_file"))
+    same_data = trained_on is not None and Path(data).resolve() == trained_on.resolve()
+    steps = (complete or {}).get("steps") if args.draft is None and same_data else None
+    per = {n: args.num_prompts or default_num_prompts(n, len(lengths)) for n in lengths}
+    prompts, info = P.stage_prompts(Path(data), tok, conf, steps, lengths=lengths, per_length=per)
+    if not same_data:
+        info["heldout_check"] = "another file than the stage's train_file"
+    return prompts, info, lengths
+
+
 def evaluate(args: argparse.Namespace, log=None) -> dict:
     import torch
 
-    from longspec_cli.core import runfolder
+    from longspec import evalmeasure, evalreport, prompts as P
+    from longspec.checkpoint import DraftLoadError
     from longspec_cli.core.atomic import sha256_file
 
     run_dir = args.run_dir
@@ -490,79 +297,93 @@ def evaluate(args: argparse.Namespace, log=None) -> dict:
     dtype = pick_dtype(args.dtype, device, _get(conf, "precision"))
     torch.use_deterministic_algorithms(True, warn_only=True)
     model, tw, gdraft, tok = load_models(target, draft, window, dtype, device)
-
-    cap = args.context_tokens or max(MIN_CONTEXT, max_seq - args.max_new_tokens)
-    if args.num_prompts is None:
-        args.num_prompts = default_num_prompts(cap)
-    if args.prompts is not None:
-        prompts, pinfo = file_prompts(args.prompts, tok, conf, n=args.num_prompts, cap=cap)
-    else:
-        data = args.data or _path(_get(conf, "train_file"))
-        if data is None:
-            raise EvalError(f"{run_dir}: no train_file recorded", 2, hint="pass --prompts FILE or --data FILE")
-        trained_on = _path(_get(conf, "train_file"))
-        same_data = trained_on is not None and Path(data).resolve() == trained_on.resolve()
-        steps = (complete or {}).get("steps") if args.draft is None and same_data else None
-        prompts, pinfo = stage_prompts(data, tok, conf, steps, n=args.num_prompts, cap=cap)
-        if not same_data:
-            pinfo["heldout_check"] = "another file than the stage's train_file"
-    eos = None if args.no_eos else tok.eos_token_id
+    limit = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+    try:
+        prompts, pinfo, lengths = pick_prompts(args, conf, complete, tok, max_seq, limit)
+    except PromptError as e:
+        raise EvalError(e.message, e.code, e.hint) from None
+    P.limit_new_tokens(prompts, args.max_new_tokens, max_seq)
+    for p in prompts:
+        p.bucket = evalreport.bucket_of(len(p.ids), lengths)
+    over = sum(1 for p in prompts if p.bucket is None)
+    prompts = [p for p in prompts if p.bucket is not None]
+    if not prompts:
+        raise EvalError(f"every prompt is longer than the longest length ({lengths[-1]} tokens)", 3,
+                        hint="--lengths sets the buckets")
     if log:
         drawn = pinfo.get("prompts_drawn_in_training")
+        counts = {n: sum(1 for p in prompts if p.bucket == n) for n in lengths}
         log(f"[{stage}] {len(prompts)} prompts from {pinfo['prompt_source']}"
             + (f" ({drawn} of them drawn in training)" if drawn else "")
-            + f", {' + '.join(args.method)} (gamma {args.gamma}, tree {list(args.tree_shape)}, "
-            + f"temperature {args.temperature:g}), {args.max_new_tokens} new tokens, {device.type} {str(dtype).replace('torch.', '')}")
+            + (f", {over} longer than {lengths[-1]} tokens left out" if over else "")
+            + ", by length " + ", ".join(f"{evalreport.label(n)}: {c}" for n, c in counts.items())
+            + f"; {' + '.join(args.method)} (gamma {args.gamma}, tree {list(args.tree_shape)}, "
+            + f"temperature {args.temperature:g}), {device.type} {str(dtype).replace('torch.', '')}")
     baseline = None
     if args.baseline_draft is not None:
         if not args.baseline_draft.exists():
-            raise EvalError(f"baseline draft not found: {args.baseline_draft}", 2)
-        baseline = load_baseline(args.baseline_draft, gdraft, dtype, device)
+            raise EvalError(f"input draft not found: {args.baseline_draft}", 2)
+        try:
+            baseline = evalmeasure.load_baseline(args.baseline_draft, gdraft, dtype, device)
+        except DraftLoadError as e:
+            raise EvalError(f"input draft: {e}", 3) from None
     from longspec import kernels, tree_attn   # what each attention runs on, for eval.json's `backend`
     backend = {"draft_attention": kernels.backend(device, dtype)["attention"],
                "tree_verify": tree_attn.setup_verify(model, device, dtype) if "tree" in args.method else None}
-    figures = measure(model, tw, gdraft, prompts, gamma=args.gamma, max_new_tokens=args.max_new_tokens,
-                      eos_token_id=eos, device=device, log=log, baseline=baseline, methods=tuple(args.method),
-                      tree_shape=args.tree_shape, temperature=args.temperature, seed=args.seed)
-    lens = [len(p) for p in prompts]
+    methods = tuple(args.method)
+    rows = evalmeasure.measure(model, tw, gdraft, prompts, gamma=args.gamma, device=device, log=log,
+                               baseline=baseline, methods=methods, tree_shape=args.tree_shape,
+                               temperature=args.temperature, seed=args.seed, no_stop=args.no_eos)
+    figs = evalreport.figures(rows, methods)
+    per_method = {}
+    for m in methods:
+        same = [r["lossless" if m == methods[0] else f"{m}_lossless"] for r in rows]
+        per_method[m] = {"method": m, **figs[m], "lossless": None if args.temperature > 0 else all(same),
+                         "temperature": args.temperature, "gamma": args.gamma if m == "chain" else len(args.tree_shape),
+                         "tree_shape": list(args.tree_shape) if m == "tree" else None,
+                         "max_tau": (args.gamma if m == "chain" else len(args.tree_shape)) + 1}
+    first = per_method[methods[0]]
+    lens = [len(p.ids) for p in prompts]
     result = {
         "stage": str(stage),
-        "tau": figures["tau"],
-        "spec_tokens_per_s": figures["spec_tokens_per_s"],
-        "target_tokens_per_s": figures["target_tokens_per_s"],
-        "speedup": figures["speedup"],
-        "method": args.method[0],
-        "gamma": args.gamma,
-        "tree_shape": list(args.tree_shape) if args.method[0] == "tree" else None,
+        **{k: first[k] for k in ("tau", "spec_tokens_per_s", "target_tokens_per_s", "speedup")},
+        "method": methods[0], "gamma": args.gamma,
+        "tree_shape": list(args.tree_shape) if methods[0] == "tree" else None,
         "temperature": args.temperature,
-        "methods": figures["methods"],
+        "methods": per_method,
         "prompts": len(prompts),
-        "max_new_tokens": args.max_new_tokens,
+        "lengths": lengths,
+        "prompts_over_longest": over,
+        "max_new_tokens": max(p.max_new for p in prompts),
         "context_tokens": round(sum(lens) / len(lens)),
         "context_tokens_max": max(lens),
-        "lossless": figures["lossless"],
+        "lossless": None if args.temperature > 0 else all(pm["lossless"] for pm in per_method.values()),
         "draft_sha256": sha256_file(draft) if draft.is_file() else None,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "draft": str(draft),
-        "target": str(target),
+        "draft": str(draft), "target": str(target),
         **pinfo,
-        "device": device.type,
-        "dtype": str(dtype).replace("torch.", ""),
-        "sliding_window": window,
+        "device": device.type, "dtype": str(dtype).replace("torch.", ""), "sliding_window": window,
         "backend": backend,
-        "generated_tokens": figures["generated_tokens"],
-        "target_forwards": figures["target_forwards"],
-        "per_prompt": figures["per_prompt"],
+        "generated_tokens": int(sum(r["new_tokens"] for r in rows)),
+        "target_forwards": first["target_forwards"],
+        "by_length": evalreport.by_length(rows, lengths, methods),
     }
+    if args.bench is not None:
+        result["by_task"] = evalreport.by_task(rows, lengths, methods)
     if baseline is not None:
         bpath = args.baseline_draft
-        result["baseline"] = {**figures["baseline"], "stage": args.baseline_stage, "draft": str(bpath),
+        result["baseline"] = {**figs["baseline"], "method": methods[0],
+                              "lossless": None if args.temperature > 0 else all(r["baseline_lossless"] for r in rows),
+                              "stage": args.baseline_stage, "draft": str(bpath),
                               "draft_sha256": sha256_file(bpath) if bpath.is_file() else None}
+    result["per_prompt"] = [{k: v for k, v in r.items() if k != "_raw"} for r in rows]
     if not args.no_write:
         from longspec_cli.core.atomic import atomic_write_json
 
-        result["eval_json"] = str(run_dir / EVAL_NAME)
-        atomic_write_json(run_dir / EVAL_NAME, result)
+        name = evalreport.result_name(prompts=str(args.prompts) if args.prompts else None, bench=args.bench,
+                                      nondefault=nondefault_settings(args))
+        result["eval_json"] = str(run_dir / name)
+        atomic_write_json(run_dir / name, result)
     return result
 
 
@@ -578,15 +399,22 @@ def method_label(m: dict) -> str:
 
 
 def _print_table(r: dict) -> None:
+    from longspec.evalreport import label
+
     lossless = {True: "yes", False: "NO", None: "n/a (sampling)"}[r["lossless"]]
     temp = f", temperature {r['temperature']:g}" if r.get("temperature") else ""
     for m in r.get("methods", {}).values():
         print(f"stage {r['stage']}: {method_label(m)}{temp}: tau {m['tau']:.2f}, "
               f"speculative {m['spec_tokens_per_s']:.1f} tok/s vs target {m['target_tokens_per_s']:.1f} tok/s "
               f"= x{m['speedup']:.2f}")
+    for b in r.get("by_length", []):
+        print(f"  {label(b['length']):>6} tokens: {b['prompts']} prompts, "
+              + ", ".join(f"{m} tau {b[m]['tau']:.2f}" for m in r.get("methods", {}) if m in b)
+              + (f", input draft tau {b['baseline']['tau']:.2f}" if "baseline" in b else ""))
     print(f"stage {r['stage']}: {r['prompts']} prompts of ~{r['context_tokens']} tokens; lossless: {lossless}"
-          + (f"; upstream draft ({r['baseline'].get('stage') or 'baseline'}) on the same prompts: "
-             f"tau {r['baseline']['tau']:.2f}" if "baseline" in r else ""))
+          + (f"; input draft ({r['baseline'].get('stage') or 'baseline'}) on the same prompts: "
+             f"tau {r['baseline']['tau']:.2f}" if "baseline" in r else "")
+          + (f"; wrote {r['eval_json']}" if r.get("eval_json") else ""))
 
 
 def main(argv: list[str] | None = None) -> int:

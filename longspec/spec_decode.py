@@ -240,10 +240,13 @@ def _check_prompt(prompt: torch.Tensor) -> torch.Tensor:
     return prompt
 
 
-def _finish(tokens: list[int], max_new_tokens: int, eos: int | None) -> tuple[list[int], bool]:
-    """Cut at the first EOS (kept) and at max_new_tokens; True when decoding is over."""
-    if eos is not None and eos in tokens:
-        return tokens[: tokens.index(eos) + 1][:max_new_tokens], True
+def _finish(tokens: list[int], max_new_tokens: int, eos) -> tuple[list[int], bool]:
+    """Cut at the first stop token (kept) and at max_new_tokens; True when decoding is over.
+    ``eos``: one token id, a collection of them (EOS and end of turn), or None."""
+    stops = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
+    hit = next((i for i, t in enumerate(tokens) if t in stops), None)
+    if hit is not None:
+        return tokens[: hit + 1][:max_new_tokens], True
     return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
 
 

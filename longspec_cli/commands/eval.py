@@ -23,6 +23,12 @@ EPILOG = """Examples:
 
   longspec eval demo long --prompts my_prompts.jsonl --json
 
+  longspec eval demo long --lengths 1k,4k,16k,32k
+
+  longspec eval demo long --bench longbench:~/data/LongBench --num-prompts 20
+
+  longspec eval demo longcot --bench aime:aime.jsonl
+
   longspec eval demo --method tree --tree-shape 4 16 16 16 16
 
   longspec eval demo base --method chain --temperature 0.7
@@ -44,8 +50,26 @@ for token (lossless). --temperature T > 0: speculative sampling (accept a draft 
 probability min(1, p/q), else resample from the residual; recursively over a node's children in
 the tree), so the output follows the target's own sampling distribution; `lossless` is then n/a.
 
-Default prompts: the last --num-prompts records of each stage's train_file, cut to the stage's
-context length (short for base, long for long/longcot).
+Prompts: the newest held-out records of each stage's train_file (records its run never drew).
+A chat or chain-of-thought record gives its question: the conversation up to the last user turn
+with the chat template's generation prompt (its answer is never in the prompt); a document gives
+its first L tokens for each length L. Decoding stops at the end of turn / EOS or after
+--max-new-tokens (default 1024 for documents and chats, 200 for chain-of-thought, as upstream's
+LongBench and AIME scripts; at most an eighth of the stage's max_seq_length).
+
+--lengths 1k,4k,16k,32k: the context-length buckets (default: powers of two from 1k up to the
+stage's max_seq_length and that length, two at least); a prompt counts in the smallest length
+that holds it. tau is reported per bucket, next to the input draft's (the draft_from stage's
+final draft on the same prompts); the quality gate compares them at the longest bucket.
+
+--bench longbench:FOLDER reads LongBench's gov_report, qmsum, multi_news, lcc and repobench-p
+.jsonl files (any subset; LongBench's data.zip from huggingface.co/datasets/THUDM/LongBench),
+keeps prompts of --min-prompt-tokens (1200) to --max-prompt-tokens (the target's limit - 2000)
+and reports per task; --bench aime:FILE reads problems (`problem` or `question`). Nothing is
+downloaded.
+
+The default measurement is written to each stage's eval.json (what status and the gate read);
+--prompts, --bench or other settings write eval-<what>.json next to it.
 
 Exit codes: 0 ok, 1 not lossless or a stage without a finished draft, 2 usage, 3 unreadable input."""
 
@@ -63,15 +87,28 @@ def eval_cmd(
                                              show_default=False),
     temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="0 = greedy (lossless); > 0 = "
                                       "speculative sampling at this temperature."),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1, help="Tokens generated per prompt."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1,
+                                                 help="Tokens generated per prompt at most (default: 1024, 200 "
+                                                      "for chain-of-thought; an eighth of max_seq_length at most).",
+                                                 show_default=False),
     num_prompts: Optional[int] = typer.Option(None, "--num-prompts", min=1,
-                                              help="Held-out records to use as prompts (default: 8 to 32, "
-                                                   "4,096 prompt tokens' worth)."),
-    context_tokens: Optional[int] = typer.Option(None, "--context-tokens", min=1,
-                                                 help="Prompt length (default: the stage's max_seq_length - max_new_tokens)."),
+                                              help="Prompts per length bucket (default: 8 to 32, 4,096 prompt "
+                                                   "tokens' worth); per task with --bench (default: all)."),
+    lengths: Optional[str] = typer.Option(None, "--lengths", help="Context-length buckets, e.g. 1k,4k,16k,32k "
+                                          "(default: powers of two from 1k up to max_seq_length).", show_default=False),
+    bench: Optional[str] = typer.Option(None, "--bench", help="longbench:FOLDER (LongBench .jsonl files) or "
+                                        "aime:FILE (problems): the paper's benchmarks from local files.",
+                                        show_default=False),
+    min_prompt_tokens: Optional[int] = typer.Option(None, "--min-prompt-tokens", min=0,
+                                                    help="--bench longbench: shortest prompt kept (default 1200).",
+                                                    show_default=False),
+    max_prompt_tokens: Optional[int] = typer.Option(None, "--max-prompt-tokens", min=1,
+                                                    help="--bench longbench: longest prompt kept (default: the "
+                                                         "target's limit - 2000).", show_default=False),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
     baseline: bool = typer.Option(True, "--baseline/--no-baseline",
-                                  help="Also decode each stage's prompts with its draft_from stage's draft."),
+                                  help="Also decode each stage's prompts with its input draft (the draft_from "
+                                       "stage's final draft)."),
     as_json: bool = typer.Option(False, "--json", help="Print {\"results\": [...]} as JSON."),
 ) -> None:
     """Measure each stage's draft: tau (tokens per target forward), tokens/s, speed-up, lossless."""
@@ -83,6 +120,16 @@ def eval_cmd(
 
         if prompts is not None and not prompts.is_file():
             raise UsageError(f"--prompts {prompts}: no such file")
+        if prompts is not None and bench is not None:
+            raise UsageError("--prompts and --bench: give one of them")
+        if bench is not None and bench.partition(":")[0] not in ("longbench", "aime"):
+            raise UsageError(f"--bench {bench!r}: give longbench:FOLDER or aime:FILE")
+        bench_arg = None
+        if bench is not None:
+            kind, _, where = bench.partition(":")
+            if not where:
+                raise UsageError(f"--bench {bench!r}: give longbench:FOLDER or aime:FILE")
+            bench_arg = f"{kind}:{Path(where).expanduser().resolve()}"
         if device not in ("auto", "cpu", "cuda"):
             raise UsageError(f"--device {device!r}: choose auto, cpu or cuda")
         methods = tuple(dict.fromkeys(method or ("chain", "tree")))
@@ -119,9 +166,8 @@ def eval_cmd(
             argv = eval_command(st.output_dir, st.name, gamma=gamma, max_new_tokens=max_new_tokens,
                                 num_prompts=num_prompts, prompts=prompts.resolve() if prompts else None, device=device,
                                 baseline_draft=up_draft, baseline_stage=up_name, methods=methods, tree_shape=shape,
-                                temperature=temperature)
-            if context_tokens is not None:
-                argv += ["--context-tokens", str(context_tokens)]
+                                temperature=temperature, lengths=lengths, bench=bench_arg,
+                                prompt_tokens=(min_prompt_tokens, max_prompt_tokens))
             res = run_trainer_json(argv, show_progress=not as_json, allow_codes=(1,))
             res["state"] = st.state
             results.append(res)
@@ -167,7 +213,7 @@ def _render(results: list[dict], skipped: list[dict]) -> None:
     kind = f"speculative sampling (temperature {temp:g})" if temp else "greedy speculative decoding"
     table = Table(title=f"{kind}: {first['prompts']} prompts x {first['max_new_tokens']} new tokens",
                   title_justify="left")
-    for col in ("stage", "method", "tau", "upstream", "tok/s spec/plain", "speed-up", "context", "lossless"):
+    for col in ("stage", "method", "tau", "input draft", "tok/s spec/plain", "speed-up", "context", "lossless"):
         table.add_column(col, justify="left" if col in ("stage", "method", "lossless") else "right")
     for r in results:
         base = r.get("baseline")
@@ -182,6 +228,9 @@ def _render(results: list[dict], skipped: list[dict]) -> None:
                           f"~{r['context_tokens']}", flag)
     console = Console(soft_wrap=True)
     console.print(table)
+    lengths = length_table(results)
+    if lengths is not None:
+        console.print(lengths)
     for r in results:
         if r.get("state") == "stale":
             console.print(Text(f"  {r['stage']}: stale (its config or input draft changed since it was trained)",
@@ -191,10 +240,37 @@ def _render(results: list[dict], skipped: list[dict]) -> None:
         console.print(Text(f"  {r['stage']}: wrote {r.get('eval_json', 'eval.json')} "
                            f"({r['device']}, {r['dtype']}; tau = tokens per target forward{note})", style="dim"))
     if any(r.get("baseline") for r in results):
-        console.print(Text("  upstream: tau of the draft_from stage's draft on the same prompts (first method)",
+        console.print(Text("  input draft: tau of the draft_from stage's final draft on the same prompts (first method)",
                            style="dim"))
     for s in skipped:
         console.print(Text(f"  {s['stage']}: skipped, no finished draft ({s['state']})", style="dim"))
+
+
+def length_table(results: list[dict]):
+    """tau by context length per stage (eval.json by_length), next to the input draft's; None
+    when no result has length buckets. Shared by `eval` and `run`'s summary."""
+    from rich.table import Table
+
+    from longspec_cli.core.quality import length_label
+
+    if not any(r.get("by_length") for r in results):
+        return None
+    table = Table(title="tau by context length (prompt tokens)", title_justify="left")
+    for col in ("stage", "length", "prompts", "chain tau", "tree tau", "input draft", "speed-up"):
+        table.add_column(col, justify="left" if col == "stage" else "right")
+    for r in results:
+        for i, b in enumerate(r.get("by_length") or []):
+            chain, tree, base = b.get("chain"), b.get("tree"), b.get("baseline")
+            head = chain or tree or {}
+            table.add_row(str(r["stage"]) if i == 0 else "", length_label(b["length"]), str(b["prompts"]),
+                          f"{chain['tau']:.2f}" if chain else "-", f"{tree['tau']:.2f}" if tree else "-",
+                          f"{base['tau']:.2f}" if base else "-",
+                          f"x{head['speedup']:.2f}" if head.get("speedup") is not None else "-")
+        for t in r.get("by_task") or []:
+            chain, tree, base = t.get("chain"), t.get("tree"), t.get("baseline")
+            table.add_row("", f"task {t['task']}", str(t["prompts"]), f"{chain['tau']:.2f}" if chain else "-",
+                          f"{tree['tau']:.2f}" if tree else "-", f"{base['tau']:.2f}" if base else "-", "")
+    return table
 
 
 def register(app: typer.Typer) -> None:

@@ -37,7 +37,7 @@ outside saved a checkpoint; rerun to resume), 130 interrupted (no process is lef
 
 --gate P evaluates each stage when it finishes (as `longspec eval`: its draft and its upstream
 stage's draft on the same held-out prompts) and stops before the next stage, exit 1, when its
-tau is more than P percent below the upstream draft's, or when its decoding is not lossless.
+tau is more than P percent below the input draft's, or when its decoding is not lossless.
 --eval measures the same way without stopping. A stage whose eval.json was measured on its
 current draft is not measured again. Without either flag `run` evaluates nothing."""
 

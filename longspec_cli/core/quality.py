@@ -5,13 +5,20 @@ eval.json (written by `longspec eval`, docs/DESIGN.md run-folder contract):
     {"stage", "tau", "spec_tokens_per_s", "target_tokens_per_s", "speedup", "gamma", "prompts",
      "max_new_tokens", "context_tokens", "lossless", "draft_sha256", "time",
      "method", "tree_shape", "temperature",                        # absent in older files: chain, greedy
-     "methods": {"chain": {"tau", "speedup", ...}, "tree": {...}}} # every method measured on the prompts
+     "methods": {"chain": {"tau", "speedup", ...}, "tree": {...}}, # every method measured on the prompts
+     "lengths": [256, 512], "by_length": [{"length", "prompts", "prompt_tokens", "chain": {...},
+                "tree": {...}, "baseline": {...}}],                # absent in older files
+     "baseline": {"tau", "stage", "draft_sha256", ...},           # the input draft on the same prompts
+     "per_prompt": [{"record", "kind", "prompt_tokens", "bucket", "new_tokens", "stopped", "tau", ...}]}
+
+Only the stage's default measurement is eval.json; others (--prompts, --bench, other settings)
+are eval-<what>.json next to it (result_files), which neither `status` nor the gate read.
 
 The headline fields (tau, speed-up, lossless) are the first measured method's (the chain unless
 only the tree was asked for). `lossless` is null for a sampled (temperature > 0) evaluation.
 
 Rule: a stage fails the gate when its tau is more than `pct` percent below the previous
-stage's tau, i.e. cur < prev * (1 - pct / 100). Equal or better always passes. Pure: no torch.
+stage's tau (at the longest length bucket with prompts, see gate_stage), i.e. cur < prev * (1 - pct / 100). Equal or better always passes. Pure: no torch.
 """
 
 from __future__ import annotations
@@ -73,6 +80,47 @@ def method_figures(ev: dict, name: str) -> dict | None:
     return None
 
 
+def length_label(n: int) -> str:
+    """1024 -> '1k', 512 -> '512' (how eval prints a context-length bucket)."""
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def length_rows(ev: dict, method: str | None = None) -> list[dict]:
+    """eval.json `by_length` as [{length, label, prompts, tau, baseline_tau}] for one method (the
+    headline one by default), buckets with prompts only; [] for an older file."""
+    method = method or str(ev.get("method") or "chain")
+    out = []
+    for b in ev.get("by_length") or []:
+        if not isinstance(b, dict) or not isinstance(b.get("length"), int) or not b.get("prompts"):
+            continue
+        fig, base = b.get(method), b.get("baseline")
+        if not isinstance(fig, dict) or not _number(fig.get("tau")):
+            continue
+        out.append({"length": b["length"], "label": length_label(b["length"]), "prompts": b["prompts"],
+                    "tau": float(fig["tau"]),
+                    "baseline_tau": float(base["tau"]) if isinstance(base, dict) and _number(base.get("tau")) else None})
+    return out
+
+
+def longest_bucket(ev: dict) -> dict | None:
+    """The longest length bucket of an eval.json that has prompts and the input draft's tau (what
+    the gate compares: the long stages are judged at the length they were trained for)."""
+    rows = [r for r in length_rows(ev) if r["baseline_tau"] is not None]
+    if not rows:
+        return None
+    row = max(rows, key=lambda r: r["length"])
+    return {**row, "baseline": {"tau": row["baseline_tau"]}}
+
+
+def result_files(output_dir: str | os.PathLike) -> list[str]:
+    """The stage's other measurements (eval-<what>.json: --prompts, --bench, other settings), by name."""
+    folder = Path(output_dir)
+    try:
+        return sorted(p.name for p in folder.glob("eval-*.json") if p.is_file())
+    except OSError:
+        return []
+
+
 def eval_is_current(ev: dict, draft_sha256: str | None) -> bool:
     """True when eval.json was measured on the draft whose sha256 is given (the stage's final draft)."""
     return draft_sha256 is not None and ev.get("draft_sha256") == draft_sha256
@@ -110,17 +158,29 @@ def baseline_draft(upstream, *, planned: bool = False) -> tuple[Path | None, str
     return (weights, upstream.name) if weights is not None else (None, None)
 
 
-def eval_command(output_dir: str | os.PathLike, stage: str, *, gamma: int = 4, max_new_tokens: int = 64,
+def eval_command(output_dir: str | os.PathLike, stage: str, *, gamma: int = 4, max_new_tokens: int | None = None,
                  num_prompts: int | None = None, prompts: str | os.PathLike | None = None, device: str = "auto",
                  baseline_draft: str | os.PathLike | None = None, baseline_stage: str | None = None,
                  python: str | None = None, methods: tuple[str, ...] = ("chain",),
-                 tree_shape: tuple[int, ...] | None = None, temperature: float = 0.0) -> list[str]:
+                 tree_shape: tuple[int, ...] | None = None, temperature: float = 0.0,
+                 lengths: str | None = None, bench: str | None = None,
+                 prompt_tokens: tuple[int | None, int | None] = (None, None)) -> list[str]:
     """argv of the measuring process (`python -m longspec.evaluate RUN ... --json`): it writes
-    RUN/eval.json and prints the same object as its last stdout line; exit 0 ok, 1 not lossless
-    or no finished draft, 2 usage, 3 unreadable input. ``baseline_draft``: the upstream stage's
-    final draft, decoded on the same prompts (eval.json `baseline.tau`, what gate_stage compares)."""
+    RUN/eval.json (the stage's default measurement) or RUN/eval-<what>.json (--prompts, --bench,
+    other settings) and prints the same object as its last stdout line; exit 0 ok, 1 not lossless
+    or no finished draft, 2 usage, 3 unreadable input. ``baseline_draft``: the input draft (the
+    draft_from stage's final one), decoded on the same prompts (`baseline`, what gate_stage compares)."""
     argv = [python or sys.executable, "-m", "longspec.evaluate", str(output_dir), "--stage", stage,
-            "--gamma", str(gamma), "--max-new-tokens", str(max_new_tokens), "--device", device, "--json"]
+            "--gamma", str(gamma), "--device", device, "--json"]
+    if max_new_tokens is not None:
+        argv += ["--max-new-tokens", str(max_new_tokens)]
+    if lengths:
+        argv += ["--lengths", lengths]
+    if bench:
+        argv += ["--bench", bench]
+    for flag, value in zip(("--min-prompt-tokens", "--max-prompt-tokens"), prompt_tokens):
+        if value is not None:
+            argv += [flag, str(value)]
     for m in methods:
         argv += ["--method", m]
     if tree_shape:
@@ -142,8 +202,9 @@ def gate_stage(cur_dir: str | os.PathLike, prev_dir: str | os.PathLike | None, p
                cur_sha256: str | None = None, prev_sha256: str | None = None) -> tuple[bool, str]:
     """The gate for a finished stage from its eval.json (and its draft_from stage's).
 
-    The previous tau is, in order of preference: eval.json `baseline.tau` (the upstream draft
-    decoded on THIS stage's prompts: a like-for-like comparison), else the upstream stage's own
+    The previous tau is, in order of preference: the input draft's tau on THIS stage's prompts
+    (eval.json `baseline`: a like-for-like comparison), at the longest length bucket that has
+    prompts (`by_length`; the whole measurement for an older file), else the upstream stage's own
     eval.json tau (measured on its own prompts, which may be shorter or easier). Fails when the
     stage has no (current) eval.json, when it is not lossless, or by gate_check. A sha256 given
     means: that eval.json (or the baseline in it) must have been measured on that draft."""
@@ -163,8 +224,13 @@ def gate_stage(cur_dir: str | os.PathLike, prev_dir: str | os.PathLike | None, p
     base = cur.get("baseline")
     if isinstance(base, dict) and _number(base.get("tau")) and \
             (prev_sha256 is None or base.get("draft_sha256") == prev_sha256):
+        bucket = longest_bucket(cur)
+        if bucket is not None:
+            ok, msg = gate_check(float(bucket["baseline"]["tau"]), float(bucket["tau"]), pct)
+            return ok, msg + f" (input draft on the same prompts, {bucket['label']}-token bucket: " \
+                             f"{bucket['prompts']} prompts)"
         ok, msg = gate_check(float(base["tau"]), float(cur["tau"]), pct)
-        return ok, msg + " (upstream draft on the same prompts)"
+        return ok, msg + " (input draft on the same prompts)"
     prev_tau = None
     if prev is not None and (prev_sha256 is None or eval_is_current(prev, prev_sha256)):
         same = method_figures(prev, str(cur.get("method") or "chain"))   # a chain tau is not a tree tau
@@ -173,4 +239,5 @@ def gate_stage(cur_dir: str | os.PathLike, prev_dir: str | os.PathLike | None, p
     return ok, msg + (" (upstream stage's own prompts)" if prev_tau is not None else "")
 
 
-__all__ = ["EVAL_NAME", "EvalFileError", "read_eval", "method_taus", "method_figures", "eval_is_current", "gate_check", "eval_command", "gate_stage"]
+__all__ = ["EVAL_NAME", "EvalFileError", "read_eval", "method_taus", "method_figures", "length_rows", "longest_bucket", "result_files",
+           "eval_is_current", "gate_check", "eval_command", "gate_stage"]

@@ -46,6 +46,10 @@ class StageStatus:
     speedup: float | None = None
     tree_tau: float | None = None  # the token tree's tau on the same prompts, when eval measured it
     tree_speedup: float | None = None
+    # tau by context length (eval.json by_length, the headline method): [{length, label, prompts,
+    # tau, baseline_tau (the input draft's on the same prompts)}]
+    tau_by_length: list[dict] = field(default_factory=list)
+    eval_results: list[str] = field(default_factory=list)  # other measurements: eval-<what>.json names
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -66,6 +70,7 @@ def _read_eval(st: StageStatus, spec: StageSpec) -> None:
     """tau and speed-up from `longspec eval`, only when measured on the stage's current draft."""
     from longspec_cli.core import quality
 
+    st.eval_results = quality.result_files(spec.output_dir)
     try:
         ev = quality.read_eval(spec.output_dir)
     except quality.EvalFileError as e:
@@ -83,6 +88,7 @@ def _read_eval(st: StageStatus, spec: StageSpec) -> None:
         st.tau, st.speedup = ev["tau"], ev.get("speedup")
     if tree is not None:
         st.tree_tau, st.tree_speedup = tree["tau"], tree.get("speedup")
+    st.tau_by_length = quality.length_rows(ev)
 
 
 def stage_status(spec: StageSpec, upstream: StageStatus | None = None, root: Path | None = None) -> StageStatus:

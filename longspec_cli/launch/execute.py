@@ -84,7 +84,7 @@ def run_request(req: RunRequest, console: Console | None = None) -> list[StageOu
             console.say(cmd.shell())
             if req.measuring:
                 console.say("# then: " + " ".join(eval_argv(manifest, p.spec))
-                            + (f" ; gate: stop unless tau >= {100 - req.gate:g}% of the upstream draft's"
+                            + (f" ; gate: stop unless tau >= {100 - req.gate:g}% of the input draft's"
                                if req.gate is not None else ""))
             for line in lines:
                 console.say("# " + line)
@@ -306,6 +306,13 @@ def print_summary(outcomes: list[StageOutcome], console: Console) -> None:
         console.say("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
         if n == 0:
             console.say("  ".join("-" * w for w in widths))
+    measured = [o for o in outcomes if o.by_length]
+    if measured:
+        console.say("\ntau by context length (prompt tokens; the input draft's on the same prompts in brackets):")
+        for o in measured:
+            console.say(f"  {o.name}: " + "  ".join(
+                f"{r['label']} {r['tau']:.2f}" + (f" ({r['baseline_tau']:.2f})" if r["baseline_tau"] is not None else "")
+                for r in o.by_length))
     for o in outcomes:
         if o.note:
             console.say(f"{o.name}: {o.note}")

@@ -3,7 +3,8 @@
     evaluate  (--eval, --gate P, `demo`) per stage, before chaining into the next: `python -m
               longspec.evaluate` on its final draft (the upstream's final draft as the baseline on
               the same prompts), unless its eval.json is current; --gate P then stops the pipeline
-              when quality.gate_stage fails (tau more than P% below the upstream draft's)
+              when quality.gate_stage fails (tau at the longest length bucket more than P% below the
+              input draft's on the same prompts)
 """
 
 from __future__ import annotations
@@ -118,10 +119,15 @@ def _run_eval(manifest: Manifest, spec: StageSpec, out: StageOutcome, req: RunRe
         return None
     base = ev.get("baseline") if isinstance(ev.get("baseline"), dict) else None
     tree = quality.method_figures(ev, "tree")
-    console.say(f"== {spec.name}: tau {ev['tau']:.2f}" + (f" (upstream draft {base['tau']:.2f})" if base else "")
+    console.say(f"== {spec.name}: tau {ev['tau']:.2f}" + (f" (input draft {base['tau']:.2f})" if base else "")
                 + (f", tree tau {tree['tau']:.2f}" if tree else "")
                 + f", speed-up x{ev.get('speedup', 0):.2f}, lossless {'yes' if ev.get('lossless') else 'NO'}"
                 + f" ({time.monotonic() - t0:.1f} s)")
+    by_len = quality.length_rows(ev)
+    if by_len:
+        console.say(f"== {spec.name}: tau by length " + ", ".join(
+            f"{r['label']}: {r['tau']:.2f}" + (f" (input draft {r['baseline_tau']:.2f})" if r["baseline_tau"] is not None
+                                                else "") for r in by_len))
     return ev
 
 

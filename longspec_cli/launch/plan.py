@@ -64,6 +64,7 @@ class StageOutcome:
     speedup: float | None = None
     tree_tau: float | None = None  # the token tree's tau on the same prompts
     note: str = ""
+    by_length: tuple = ()  # quality.length_rows of the eval.json: tau by context length, input draft's
 
     def row(self) -> list[str]:
         f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
@@ -79,6 +80,7 @@ class StageOutcome:
         head = chain if chain is not None else ev
         self.tau, self.speedup = as_float(head.get("tau")), as_float(head.get("speedup"))
         self.tree_tau = as_float(tree.get("tau")) if tree is not None else None
+        self.by_length = tuple(quality.length_rows(ev))
 
 
 class Console:

@@ -324,6 +324,8 @@ class StageFollow:
             draft_sha256=complete.get("draft_sha256"),
             next_action=getattr(status, "next_action", ""), reasons=tuple(getattr(status, "reasons", ()) or ()),
             tau=getattr(status, "tau", None), tree_tau=getattr(status, "tree_tau", None),
+            tau_by_length=tuple((r["length"], r["label"], r["tau"], r["baseline_tau"])
+                                for r in getattr(status, "tau_by_length", None) or ()),
             chart=chart, chart_version=self.series.version,
             log=tuple(self.log_lines), log_seq=self.log_seq, log_gen=self.log_gen,
             alerts=tuple(self.stage_alerts(state)), notices=tuple(self.notices), notice_count=self.notice_count,

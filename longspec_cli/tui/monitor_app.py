@@ -33,6 +33,7 @@ from longspec_cli.tui.sysinfo import Sampler, SysSample
 from longspec_cli.tui.views import ProjectView
 from longspec_cli.tui.widgets.alerts_panel import AlertsPanel
 from longspec_cli.tui.widgets.charts import MetricChart
+from longspec_cli.tui.widgets.tau_chart import TauLengthChart
 from longspec_cli.tui.widgets.confirm import ConfirmScreen
 from longspec_cli.tui.widgets.help import HelpScreen
 from longspec_cli.tui.widgets.log_tail import LogTail
@@ -108,6 +109,7 @@ class MonitorApp(App[None]):
                 with Horizontal(id="charts"):
                     yield MetricChart("loss", "loss", id="loss-chart")
                     yield MetricChart("lr", "learning rate", id="lr-chart")
+                    yield TauLengthChart(id="tau-chart")
             with Vertical(id="right"):
                 yield SystemPanel(id="system")
                 yield AlertsPanel(id="alerts")
@@ -118,7 +120,7 @@ class MonitorApp(App[None]):
         # Widget references taken now: later queries would search a modal screen when one is up.
         self.strip = self.query_one(StageStrip)
         self.panel = self.query_one(StagePanel)
-        self.charts = list(self.query(MetricChart))
+        self.charts = [*self.query(MetricChart), self.query_one(TauLengthChart)]
         self.log_tail = self.query_one(LogTail)
         self.alerts = self.query_one(AlertsPanel)
         self.system = self.query_one(SystemPanel)

@@ -29,6 +29,8 @@ class StageView:
     reasons: tuple[str, ...] = ()
     tau: float | None = None  # chain tau from a current eval.json (longspec eval)
     tree_tau: float | None = None  # the token tree's tau on the same prompts
+    # eval.json by_length: (length, label, chain tau, input draft's tau or None) per bucket with prompts
+    tau_by_length: tuple[tuple[int, str, float, float | None], ...] = ()
     chart: ChartData = ChartData((), (), ())
     chart_version: int = 0
     log: tuple[str, ...] = ()

@@ -45,6 +45,12 @@ def test_demo_runs_three_chained_stages_and_prints_the_summary(tmp_path):
     assert "baseline" not in ev["base"]
     assert ev["long"]["baseline"]["draft_sha256"] == done["base"]["sha256"]
     assert ev["longcot"]["baseline"]["draft_sha256"] == done["long"]["sha256"]
+    # tau by context length: the long stages' two buckets (256 and 512 tokens), each next to the input draft
+    for s in ("long", "longcot"):
+        assert ev[s]["lengths"] == [256, 512] and ev[s]["by_length"]
+        assert all("baseline" in b and b["chain"]["tau"] >= 1.0 for b in ev[s]["by_length"])
+    assert ev["base"]["lengths"] == [64, 128]
+    assert "tau by context length" in res.stdout
     # the summary table: one row per stage with steps, losses, tokens/s, wall time, tau, speed-up, sha256 prefix
     header = next(line.split() for line in res.stdout.splitlines() if line.split()[:3] == ["stage", "action", "result"])
     assert header == ["stage", "action", "result", "steps", "first", "loss", "last", "loss", "tokens/s", "wall", "s",

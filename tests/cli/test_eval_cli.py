@@ -136,7 +136,8 @@ def test_eval_usage_errors(project, tmp_path):
     assert res.exit_code == 2
     res = runner.invoke(app, ["eval", str(project.root), "--gamma", "0"])
     assert res.exit_code == 2
-    for bad in (["--method", "beam"], ["--tree-shape", "0"], ["--tree-shape", "4,x"], ["--temperature", "-1"]):
+    for bad in (["--method", "beam"], ["--tree-shape", "0"], ["--tree-shape", "4,x"], ["--temperature", "-1"],
+                ["--bench", "mmlu:x"], ["--bench", "aime:"], ["--bench", "aime:a", "--prompts", str(tmp_path)]):
         res = runner.invoke(app, ["eval", str(project.root), *bad])
         assert res.exit_code == 2, (bad, res.output)
         no_traceback(res)
@@ -155,6 +156,31 @@ def test_eval_command_passes_methods_shape_and_temperature(tmp_path):
     argv = eval_command(tmp_path, "base", methods=("chain", "tree"), tree_shape=(2, 4), temperature=0.5)
     joined = " ".join(argv)
     assert "--method chain --method tree" in joined and "--tree-shape 2 4" in joined and "--temperature 0.5" in joined
+    assert "--max-new-tokens" not in joined and "--lengths" not in joined      # the evaluator's defaults
+    argv = eval_command(tmp_path, "long", lengths="1k,4k", bench="longbench:/d", prompt_tokens=(0, 9000))
+    joined = " ".join(argv)
+    assert "--lengths 1k,4k --bench longbench:/d --min-prompt-tokens 0 --max-prompt-tokens 9000" in joined
+
+
+def test_the_gate_compares_the_longest_bucket_with_prompts(tmp_path):
+    from longspec_cli.core.quality import length_rows
+
+    def bucket(n, prompts, tau, base):
+        return {"length": n, "prompts": prompts, "chain": {"tau": tau}, "baseline": {"tau": base}}
+
+    long = tmp_path / "long"
+    long.mkdir()
+    ev = {"stage": "long", "tau": 2.0, "gamma": 4, "lossless": True, "method": "chain",
+          "baseline": {"tau": 1.5, "draft_sha256": "s"},
+          "by_length": [bucket(256, 8, 1.6, 2.0), bucket(512, 4, 2.5, 1.4), bucket(1024, 0, 0.0, 0.0)]}
+    (long / "eval.json").write_text(json.dumps(ev))
+    ok, msg = gate_stage(long, None, 10)
+    assert ok and "512-token bucket: 4 prompts" in msg and "tau 2.500 vs previous 1.400" in msg
+    assert [r["label"] for r in length_rows(ev)] == ["256", "512"]                 # empty buckets left out
+    ev["by_length"][1] = bucket(512, 4, 1.2, 1.4)                                # worse where it was trained
+    (long / "eval.json").write_text(json.dumps(ev))
+    ok, msg = gate_stage(long, None, 10)
+    assert not ok and "512-token bucket" in msg
 
 
 def test_export_refusals(project, drafts):
@@ -229,10 +255,15 @@ def tiny_project(tmp_path_factory):
 @pytest.mark.slow
 def test_eval_on_a_finished_tiny_stage(tiny_project):
     root, out = tiny_project
-    res = runner.invoke(app, ["eval", str(root), "--num-prompts", "2", "--max-new-tokens", "12", "--json"])
+    res = runner.invoke(app, ["eval", str(root), "--json"])     # the default measurement: eval.json
     assert res.exit_code == 0, res.output
     doc = json.loads(res.output[res.output.index("{"):])
     r, long = doc["results"]
+    assert r["lengths"] == [24, 48] and [b["length"] for b in r["by_length"]] == [24, 48]   # max_seq_length 48
+    assert all(b["prompts"] >= 1 and b["chain"]["tau"] >= 1 and b["tree"]["tau"] >= 1 for b in r["by_length"])
+    assert all(p["bucket"] == p["prompt_tokens"] and p["stopped"] in ("eos", "limit") and p["record"].startswith(
+        "base.jsonl:") for p in r["per_prompt"])                                    # documents cut at each length
+    assert [b["length"] for b in long["by_length"]] == [24, 48] and all("baseline" in b for b in long["by_length"])
     assert doc["lossless"] is True and doc["skipped"] == [{"stage": "longcot", "state": "pending"}]
     assert "baseline" not in r                                  # base has no upstream stage
     assert long["stage"] == "long" and long["lossless"] is True and long["baseline"]["stage"] == "base"
@@ -240,9 +271,9 @@ def test_eval_on_a_finished_tiny_stage(tiny_project):
     assert long["baseline"]["draft_sha256"] == json.loads((out / "stage_complete.json").read_text())["sha256"]
     ok, message = gate_stage(out.parent / "long", out, 100)      # the gate reads what eval wrote
     assert ok and "same prompts" in message
-    assert r["stage"] == "base" and r["lossless"] is True and r["prompts"] == 2 and r["gamma"] == 4
+    assert r["stage"] == "base" and r["lossless"] is True and r["prompts"] == len(r["per_prompt"]) and r["gamma"] == 4
     assert 1.0 <= r["tau"] <= 5.0 and r["spec_tokens_per_s"] > 0 and r["target_tokens_per_s"] > 0
-    assert r["context_tokens"] <= 48 - 12                       # the stage's max_seq_length - new tokens
+    assert r["context_tokens_max"] <= 48 and r["max_new_tokens"] == 32 and r["eval_json"] == str(out / "eval.json")   # the default measurement
     ev = read_eval(out)                                         # what the gate reads
     stage_sha = json.loads((out / "stage_complete.json").read_text())["sha256"]
     assert eval_is_current(ev, stage_sha)
@@ -260,16 +291,27 @@ def test_eval_on_a_finished_tiny_stage(tiny_project):
                                 "--gamma", "2", "--method", "tree", "--tree-shape", "2", "3", "2"])
     assert table.exit_code == 0, table.output
     assert "base" in table.output and "yes" in table.output and "2-3-2" in table.output
-    assert "long" not in table.output.split("upstream")[-1]     # only the stage asked for
-    ev = json.loads((out / "eval.json").read_text())            # rewritten by the last run
+    assert "tau by context length" in table.output and "input draft" in table.output
+    assert "long" not in table.output.split("input draft")[-1]  # only the stage asked for
+    assert json.loads((out / "eval.json").read_text())["method"] == "chain"   # the default one is kept
+    other = out / "eval-gamma2-tree2-3-2-max8-num1.json"          # other settings: their own file
+    ev = json.loads(other.read_text())
     assert ev["method"] == "tree" and ev["tree_shape"] == [2, 3, 2] and list(ev["methods"]) == ["tree"]
+    status = runner.invoke(app, ["status", str(root), "--json"])
+    base_st = next(s for s in json.loads(status.output)["stages"] if s["name"] == "base")
+    assert other.name in base_st["eval_results"] and [b["length"] for b in base_st["tau_by_length"]] == [24, 48]
 
     sampled = runner.invoke(app, ["eval", str(root), "base", "--num-prompts", "1", "--max-new-tokens", "6",
                                   "--method", "chain", "--temperature", "0.8", "--json"])
     assert sampled.exit_code == 0, sampled.output
     doc = json.loads(sampled.output[sampled.output.index("{"):])
     assert doc["lossless"] is None and doc["results"][0]["temperature"] == 0.8
-    ok, message = gate_stage(out, None, 5)                      # a sampled eval.json cannot pass the gate
+    sampled_file = Path(doc["results"][0]["eval_json"])
+    assert sampled_file.name.startswith("eval-t0.8") and json.loads((out / "eval.json").read_text())["temperature"] == 0
+    alone = out.parent / "sampled"
+    alone.mkdir()
+    (alone / "eval.json").write_text(sampled_file.read_text())
+    ok, message = gate_stage(alone, None, 5)                    # a sampled eval.json cannot pass the gate
     assert not ok and "sampling" in message
 
 
@@ -283,6 +325,46 @@ def test_eval_with_a_prompts_file(tiny_project, tmp_path):
     assert res.exit_code == 0, res.output
     r = json.loads(res.output[res.output.index("{"):])["results"][0]
     assert r["prompts"] == 2 and r["prompt_source"] == str(prompts) and r["lossless"] is True
+    assert Path(r["eval_json"]).name == "eval-prompts-p-max10.json" and [p["record"] for p in r["per_prompt"]] == \
+        ["p.jsonl:1", "p.jsonl:2"]
+
+
+@pytest.mark.slow
+def test_eval_on_the_papers_benchmarks_from_local_files(tiny_project, tmp_path):
+    from tests.trainer.test_eval_prompts import write_longbench
+
+    root, out = tiny_project
+    long_eval = (out.parent / "long" / "eval.json").read_bytes() if (out.parent / "long" / "eval.json").exists() else None
+    folder = write_longbench(tmp_path / "LongBench", tasks=("gov_report", "qmsum", "lcc"), n=2, words=30)
+    res = runner.invoke(app, ["eval", str(root), "long", "--bench", f"longbench:{folder}", "--min-prompt-tokens", "0",
+                              "--max-new-tokens", "8", "--lengths", "128,256,1k", "--json"])
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.output[res.output.index("{"):])["results"][0]
+    assert r["bench"] == "longbench" and r["lossless"] is True and set(r["methods"]) == {"chain", "tree"}
+    assert [t["task"] for t in r["by_task"]] == ["gov_report", "qmsum", "lcc"]
+    assert all(t["prompts"] == 2 and t["chain"]["tau"] >= 1 and t["tree"]["tau"] >= 1 and "baseline" in t
+               for t in r["by_task"])
+    assert sum(b["prompts"] for b in r["by_length"]) == 6 and Path(r["eval_json"]).name.startswith("eval-longbench")
+    now = (out.parent / "long" / "eval.json")
+    assert (now.read_bytes() if now.exists() else None) == long_eval                 # eval.json left alone
+
+    aime = tmp_path / "aime.jsonl"
+    aime.write_text("".join(json.dumps({"problem": f"add the numbers {i} , {i + 3} ."}) + "\n" for i in range(3)))
+    res = runner.invoke(app, ["eval", str(root), "base", "--bench", f"aime:{aime}", "--max-new-tokens", "6", "--json"])
+    assert res.exit_code == 0, res.output
+    r = json.loads(res.output[res.output.index("{"):])["results"][0]
+    assert r["prompts"] == 3 and r["by_task"][0]["task"] == "aime" and r["methods"]["tree"]["lossless"] is True
+
+    with aime.open("a") as f:
+        f.write('{"answer": 7}\n')
+    res = runner.invoke(app, ["eval", str(root), "base", "--bench", f"aime:{aime}"])
+    assert res.exit_code == 3 and f"{aime}:4: needs a string 'problem' or 'question'" in panel_text(res.output)
+    no_traceback(res)
+    (folder / "qmsum.jsonl").write_text('{"context": "the fox .", "input": 3}\n')
+    res = runner.invoke(app, ["eval", str(root), "long", "--bench", f"longbench:{folder}"])
+    assert res.exit_code == 3 and f"{folder / 'qmsum.jsonl'}:1: field 'input' must be a string" in panel_text(res.output)
+    res = runner.invoke(app, ["eval", str(root), "long", "--bench", f"longbench:{tmp_path / 'none'}"])
+    assert res.exit_code == 2 and "THUDM/LongBench" in panel_text(res.output)
 
 
 @pytest.mark.slow

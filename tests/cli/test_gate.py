@@ -187,6 +187,8 @@ def test_a_wrecked_long_stage_fails_the_gate_and_longcot_never_starts(tmp_path):
     assert not (runs / "longcot").exists()
     err = flat(res.stderr)
     assert "stage long failed the quality gate (--gate 10)" in err and f"longspec eval {proj} long" in err
+    longest = max(b["length"] for b in ev["long"]["by_length"])          # judged where it was trained
+    assert f"{longest}-token bucket" in err and longest == 512
     rows = summary_rows(res.stdout)
     assert rows["long"][2:4] == ["gate", "failed"] and rows["longcot"][2:4] == ["not", "run"]
     assert float(rows["long"][-4]) == pytest.approx(ev["long"]["tau"], abs=0.005)

@@ -214,7 +214,7 @@ def word_tokenizer(words):
                                                              (25, 2, 3, 3, 0)])
 def test_replayed_sampler_is_what_the_trainer_draws(n, batch, accum, world, steps):
     from longspec.data import ShardedBatchSampler
-    from longspec.evaluate import trained_indices
+    from longspec.prompts import trained_indices
 
     conf = {"per_gpu_train_batch_size": batch, "gradient_accumulation_steps": accum,
             "global_batch_size": batch * accum * world, "seed": 7, "data": {"on_bad_record": "error"}}
@@ -231,8 +231,8 @@ def test_replayed_sampler_is_what_the_trainer_draws(n, batch, accum, world, step
     assert trained_indices(n, {**conf, "data": {"on_bad_record": "skip"}}, steps) is None
 
 
-def test_stage_prompts_are_held_out_records_cut_to_the_stage_context(tmp_path):
-    from longspec.evaluate import stage_prompts, trained_indices
+def test_stage_prompts_are_held_out_records_cut_at_each_length(tmp_path):
+    from longspec.prompts import stage_prompts, trained_indices
 
     words = [f"r{i}" for i in range(30)] + ["the", "cat", "sees", "a", "dog", "."]
     tok = word_tokenizer(words)
@@ -241,16 +241,19 @@ def test_stage_prompts_are_held_out_records_cut_to_the_stage_context(tmp_path):
     conf = {"per_gpu_train_batch_size": 4, "gradient_accumulation_steps": 1, "global_batch_size": 4, "seed": 3,
             "data": {"collator": "short_text", "on_bad_record": "error", "max_seq_length": 32}}
     drawn = trained_indices(30, conf, 5)
-    prompts, info = stage_prompts(path, tok, conf, 5, n=4, cap=12)
+    prompts, info = stage_prompts(path, tok, conf, 5, lengths=[12], per_length={12: 4})
     assert info["records"] == 30 and info["records_drawn_in_training"] == 20 == len(drawn)
     assert info["prompts_drawn_in_training"] == 0 and len(prompts) == 4
-    firsts = [int(tok.convert_ids_to_tokens(p[0])[1:]) for p in prompts]
+    firsts = [int(tok.convert_ids_to_tokens(p.ids[0])[1:]) for p in prompts]
     assert not set(firsts) & drawn and firsts == sorted(firsts)         # undrawn, in file order
     assert firsts[-1] == max(set(range(30)) - drawn)                    # the last undrawn record
-    assert all(len(p) == 12 for p in prompts)
+    assert all(len(p.ids) == 12 and p.kind == "document" for p in prompts)
+    assert [p.record for p in prompts] == [f"base.jsonl:{i + 1}" for i in firsts]
 
-    prompts, info = stage_prompts(path, tok, conf, 100, n=3, cap=12)    # every record drawn: said so
+    prompts, info = stage_prompts(path, tok, conf, 100, lengths=[12], per_length={12: 3})  # all drawn: said so
     assert len(prompts) == 3 and info["prompts_drawn_in_training"] == 3
+    prompts, _ = stage_prompts(path, tok, conf, 5, lengths=[8, 16], per_length={8: 2, 16: 2})
+    assert sorted(len(p.ids) for p in prompts) == [8, 8, 16, 16]      # a document gives a prefix per length
 
 
 def test_evaluate_refuses_a_run_without_finished_draft(tmp_path, capsys):
@@ -272,6 +275,7 @@ def test_default_prompt_count_follows_a_token_budget():
     assert default_num_prompts(64) == MAX_PROMPTS      # short prompts: many, tau varies per prompt
     assert default_num_prompts(448) == 9
     assert default_num_prompts(32_000) == MIN_PROMPTS  # 32k prompts: a few
+    assert default_num_prompts(64, 2) == 32 and default_num_prompts(128, 2) == 16   # buckets share the budget
 
 
 def test_prefill_keeps_only_the_last_positions_logits(tiny_target):

@@ -169,3 +169,30 @@ async def test_log_tail_appends_repeated_lines(running, sampler):
             await pilot.pause(0.4)
         await wait_until(pilot, lambda: len(app.log_tail.lines) == len(before) + 6, 5, "six new log lines")
         assert list(app.log_tail.lines) == before + ["same line"] * 6
+
+
+async def test_the_tau_by_length_chart_shows_each_evaluated_stage_and_its_input_draft(running, sampler):
+    sha = json.loads((running / "runs/base/stage_complete.json").read_text())["sha256"]
+
+    def bucket(n, tau, base):
+        return {"length": n, "prompts": 8, "chain": {"tau": tau}, "baseline": {"tau": base}}
+
+    (running / "runs/base/eval.json").write_text(json.dumps(
+        {"stage": "base", "tau": 2.4, "gamma": 4, "lossless": True, "draft_sha256": sha, "method": "chain",
+         "by_length": [bucket(256, 2.1, 1.7), bucket(512, 2.8, 1.6), {"length": 1024, "prompts": 0}]}))
+    app = _app(running, sampler)
+    async with app.run_test(size=SIZE) as pilot:
+        await settle(pilot, app)
+        chart = app.query_one("#tau-chart")
+
+        def chart_text() -> str:
+            region = chart.region
+            rows = screen_text(app).splitlines()[region.y:region.bottom]
+            return "\n".join(r[region.x:region.right] for r in rows)
+
+        await wait_until(pilot, lambda: chart.display and "tau by context length" in chart_text(),
+                         10, "the tau chart drawn from eval.json")
+        text = chart_text()
+        assert "256" in text and "512" in text and "1k" not in text        # buckets with prompts only
+        view = next(s for s in app.view.stages if s.name == "base")
+        assert view.tau_by_length == ((256, "256", 2.1, 1.7), (512, "512", 2.8, 1.6))

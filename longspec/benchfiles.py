@@ -1,0 +1,141 @@
+"""The paper's benchmarks from local files: LongBench's five long-output tasks and AIME problems.
+
+    --bench longbench:FOLDER   FOLDER/<task>.jsonl for gov_report, qmsum, multi_news, lcc and
+                               repobench-p (any subset present): one JSON object per line with
+                               LongBench's fields (`context`, `input`, `answers`, `length`,
+                               `dataset`, `language`, `all_classes`, `_id`). Each prompt is the
+                               task's instruction (the wording of upstream's benchmark script)
+                               as a user turn after a "You are a helpful assistant" system turn,
+                               rendered through the target's chat template with the generation
+                               prompt, then the task's answer lead ("Summary:", "Answer:").
+                               Prompts outside --min-prompt-tokens (1,200) .. --max-prompt-tokens
+                               (the target's position limit minus 2,000) are left out, as upstream.
+    --bench aime:FILE          JSONL (or a JSON list) of problems, the text in `problem` or
+                               `question`; the chat prompt as upstream's QwQ script builds it.
+
+Nothing is downloaded: the files are LongBench's data.zip (huggingface.co/datasets/THUDM/LongBench)
+and an AIME set such as AI-MO/aimo-validation-aime, fetched by the user. A malformed line is an
+error naming FILE:LINE (exit 3).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from longspec.prompts import SYSTEM_PROMPT, Prompt, PromptError, end_of_turn_ids
+
+LONGBENCH_SOURCE = "LongBench's data.zip from huggingface.co/datasets/THUDM/LongBench (data/<task>.jsonl)"
+AIME_SOURCE = "an AIME problem set, e.g. huggingface.co/datasets/AI-MO/aimo-validation-aime, saved as JSONL"
+MIN_PROMPT_TOKENS = 1200
+LIMIT_MARGIN = 2000
+
+# task -> (user turn, answer lead after the generation prompt); upstream's inference_long-bench.py
+LONGBENCH_TASKS = {
+    "gov_report": ("You are given a report by a government agency. Write a one-page summary of the report.\n\n"
+                   "Report:\n{context}\n\nNow, write a one-page summary of the report.", "Summary:"),
+    "qmsum": ("You are given a meeting transcript and a query containing a question or instruction. "
+              "Answer the query in one or more sentences.\n\nTranscript:\n{context}\n\n"
+              "Now, answer the query based on the above meeting transcript in one or more sentences.\n\n"
+              "Query: {input}", "Answer:"),
+    "multi_news": ("You are given several news passages. Write a one-page summary of all news. \n\n"
+                   "News:\n{context}\n\nNow, write a one-page summary of all the news.", "Summary:"),
+    "lcc": ("Please complete the code given below. \n{context}Now, complete the code given.", ""),
+    "repobench-p": ("Please complete the code given below. \n{context}Now, complete the code given.", ""),
+}
+
+
+def parse_bench(spec: str) -> tuple[str, Path]:
+    """'longbench:FOLDER' / 'aime:FILE' -> (kind, path); PromptError 2 for anything else."""
+    kind, sep, where = spec.partition(":")
+    if not sep or kind not in ("longbench", "aime") or not where:
+        raise PromptError(f"--bench {spec!r}: give longbench:FOLDER or aime:FILE", 2)
+    return kind, Path(where).expanduser()
+
+
+def _jsonl(path: Path):
+    """(line, object) of a JSONL file (or items of a JSON list); PromptError 3 naming FILE:LINE."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise PromptError(f"{path}: cannot read ({e})", 3) from None
+    if text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except ValueError as e:
+            raise PromptError(f"{path}: not valid JSON ({e})", 3) from None
+        numbered = list(enumerate(items, 1))
+    else:
+        numbered = []
+        for i, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                numbered.append((i, json.loads(line)))
+            except ValueError as e:
+                raise PromptError(f"{path}:{i}: not valid JSON ({e.msg})", 3) from None
+    for i, obj in numbered:
+        if not isinstance(obj, dict):
+            raise PromptError(f"{path}:{i}: expected a JSON object, got {type(obj).__name__}", 3)
+        yield i, obj
+
+
+def _chat(tokenizer, user: str, lead: str) -> list[int]:
+    msgs = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return tokenizer(text + lead, add_special_tokens=False)["input_ids"]
+    return tokenizer(f"{SYSTEM_PROMPT}\n\n{user}\n\n{lead}")["input_ids"]
+
+
+def longbench_prompts(folder: Path, tokenizer, *, min_tokens: int, max_tokens: int,
+                      n: int | None) -> tuple[list[Prompt], dict]:
+    """Prompts of every LongBench task file present in `folder` (at most n per task)."""
+    if not folder.is_dir():
+        raise PromptError(f"--bench longbench:{folder}: no such folder", 2, hint=f"nothing is downloaded: get {LONGBENCH_SOURCE}")
+    present = [t for t in LONGBENCH_TASKS if (folder / f"{t}.jsonl").is_file()]
+    if not present:
+        raise PromptError(f"{folder}: none of {', '.join(t + '.jsonl' for t in LONGBENCH_TASKS)}", 2,
+                          hint=f"nothing is downloaded: get {LONGBENCH_SOURCE}")
+    stops = end_of_turn_ids(tokenizer)
+    prompts: list[Prompt] = []
+    kept: dict[str, int] = {}
+    out_of_range = 0
+    for task in present:
+        user_fmt, lead = LONGBENCH_TASKS[task]
+        path = folder / f"{task}.jsonl"
+        kept[task] = 0
+        for line, obj in _jsonl(path):
+            for name in ("context",) + (("input",) if "{input}" in user_fmt else ()):
+                if not isinstance(obj.get(name), str):
+                    raise PromptError(f"{path}:{line}: field '{name}' must be a string (LongBench's format)", 3)
+            if n is not None and kept[task] >= n:
+                continue
+            ids = _chat(tokenizer, user_fmt.format(context=obj["context"], input=obj.get("input", "")), lead)
+            if not min_tokens < len(ids) <= max_tokens:
+                out_of_range += 1
+                continue
+            kept[task] += 1
+            prompts.append(Prompt(ids, f"{task}:{obj.get('_id') or line}", "longbench", task=task, stops=stops))
+    if not prompts:
+        raise PromptError(f"{folder}: no LongBench prompt between {min_tokens} and {max_tokens} tokens "
+                          f"({out_of_range} outside)", 3, hint="--min-prompt-tokens / --max-prompt-tokens set the range")
+    return prompts, {"prompt_source": str(folder), "bench": "longbench", "tasks": kept,
+                     "prompt_token_range": [min_tokens, max_tokens], "left_out_by_length": out_of_range}
+
+
+def aime_prompts(path: Path, tokenizer, *, n: int | None) -> tuple[list[Prompt], dict]:
+    """Prompts of an AIME-style problem file (`problem` or `question` per object)."""
+    if not path.is_file():
+        raise PromptError(f"--bench aime:{path}: no such file", 2, hint=f"nothing is downloaded: get {AIME_SOURCE}")
+    stops = end_of_turn_ids(tokenizer)
+    prompts = []
+    for line, obj in _jsonl(path):
+        text = obj.get("problem", obj.get("question"))
+        if not isinstance(text, str) or not text.strip():
+            raise PromptError(f"{path}:{line}: needs a string 'problem' or 'question' field", 3)
+        if n is None or len(prompts) < n:
+            ident = obj.get("id", obj.get("_id", line))
+            prompts.append(Prompt(_chat(tokenizer, text, ""), f"aime:{ident}", "aime", task="aime", stops=stops))
+    if not prompts:
+        raise PromptError(f"{path}: no problems", 3)
+    return prompts, {"prompt_source": str(path), "bench": "aime", "tasks": {"aime": len(prompts)}}

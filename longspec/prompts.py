@@ -1,0 +1,298 @@
+"""Evaluation prompts from training records: the question of a chat, prefixes of a document.
+
+A stage's draft is measured where speculative decoding runs in service: from the question.
+
+* Chat and chain-of-thought records (`messages` / `conversation`, `problem` + `qwq`,
+  `prompt` + `response`, `article` + `abstract`): the conversation up to its last user turn,
+  rendered through the target's chat template with the generation prompt (question_text); the
+  record's own answer is the reference, never part of the prompt. Decoding stops at the
+  template's end-of-turn token or the EOS, as a server would, or at the new-token limit.
+* Documents (`text`, `source: code/book`): the first L tokens for every context length L of the
+  measurement the document is longer than; decoding continues the document.
+* `--prompts FILE` entries (strings or {"prompt": ...}) are used whole; training-style records in
+  it are turned into prompts as above.
+
+Held-out records are the ones the stage's run never drew (trained_indices replays the trainer's
+sampler). Every prompt carries the record it came from (the file's line), its kind and its
+new-token limit (DEFAULT_NEW_TOKENS, or --max-new-tokens).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# New tokens per prompt kind when --max-new-tokens is not given: upstream measures LongBench with
+# 1,024 and AIME with 200 (sail-sg/LongSpec longspec/test). Documents and chats follow LongBench,
+# chain-of-thought questions AIME; never more than an eighth of the stage's max_seq_length
+# (NEW_TOKENS_SHARE), so a small stage's continuation stays near the length it was trained at.
+DEFAULT_NEW_TOKENS = {"document": 1024, "chat": 1024, "longbench": 1024, "cot": 200, "aime": 200, "given": 1024}
+NEW_TOKENS_SHARE = 8
+MIN_NEW_TOKENS = 32
+MIN_CONTEXT = 8
+SYSTEM_PROMPT = "You are a helpful assistant"   # upstream's benchmark scripts' system turn
+
+
+class PromptError(Exception):
+    """An unusable prompt source; `code` is the exit code (2 usage, 3 unreadable input)."""
+
+    def __init__(self, message: str, code: int = 3, hint: str | None = None):
+        super().__init__(message)
+        self.message, self.code, self.hint = message, code, hint
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    record: str                      # where it came from: "FILE:LINE" or a benchmark id
+    kind: str                        # a DEFAULT_NEW_TOKENS key
+    max_new: int = 0                 # filled by limit_new_tokens
+    task: str | None = None          # a benchmark's task
+    bucket: int | None = None        # its context-length bucket (longspec.evalreport.bucket_of)
+    stops: tuple[int, ...] = field(default_factory=tuple)
+
+
+# ----------------------------------------------------------------------------- chat split
+
+def question_text(tokenizer, messages: list[dict]) -> str:
+    """The conversation up to (and with) its last user turn, rendered with the generation prompt
+    through the tokenizer's chat template: what a server is sent before the model answers, and the
+    prompt the training rule (longspec.chat) gives the answer that follows."""
+    from longspec.chat import ChatError, render
+
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
+    if last is None:
+        raise PromptError("the conversation has no user turn")
+    try:
+        return render(tokenizer, messages[: last + 1], generation_prompt=True)
+    except ChatError as e:
+        raise PromptError(str(e)) from None
+
+
+def end_of_turn_ids(tokenizer) -> tuple[int, ...]:
+    """The EOS and the special token the chat template closes an assistant turn with (a server's
+    stop tokens); the EOS alone for a tokenizer without a template."""
+    from longspec.chat import ChatError, end_of_turn
+
+    stops = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            after = end_of_turn(tokenizer, [{"role": "user", "content": "hi"}])
+        except ChatError:
+            return tuple(stops)
+        ids = tokenizer(after, add_special_tokens=False)["input_ids"]
+        special = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
+        first = next((i for i in ids if i in special), None)
+        if first is not None and first not in stops:
+            stops.append(int(first))
+    return tuple(stops)
+
+
+CHAT_FIELDS = ("messages", "conversation", "article")
+COT_FIELDS = ("problem", "qwq", "prompt", "response")
+
+
+def record_messages(rec: dict) -> tuple[list[dict], str] | None:
+    """(messages, kind) of a chat or chain-of-thought record, None for a document: the
+    conversation the stage's collator trains (longspec.collators), so evaluation asks the question
+    the draft was trained to answer."""
+    from longspec.collators import RecordError, long_cot_messages, long_data_messages
+
+    if not isinstance(rec, dict):
+        return None
+    try:
+        if any(k in rec for k in COT_FIELDS) and not any(k in rec for k in CHAT_FIELDS):
+            return long_cot_messages(rec), "cot"
+        if not any(k in rec for k in CHAT_FIELDS) and rec.get("source") not in ("arxiv", "tulu-v2"):
+            return None
+        msgs = long_data_messages(rec)
+    except RecordError as e:
+        raise PromptError(str(e)) from None
+    return None if msgs is None else (msgs, "chat")
+
+
+def document_text(rec: Any) -> str | None:
+    if isinstance(rec, str):
+        return rec
+    if isinstance(rec, dict):
+        for name in ("text", "target"):
+            if isinstance(rec.get(name), str):
+                return rec[name]
+    return None
+
+
+def record_prompts(rec: Any, where: str, tokenizer, lengths: list[int], stops: tuple[int, ...]) -> list[Prompt]:
+    """The prompts one training record gives: its question, or its prefixes at each length."""
+    conv = record_messages(rec)
+    if conv is not None:
+        messages, kind = conv
+        try:
+            text = question_text(tokenizer, messages)
+        except PromptError:
+            return []
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return [Prompt(ids, where, kind, stops=stops)] if len(ids) >= MIN_CONTEXT else []
+    text = document_text(rec)
+    if text is None:
+        return []
+    ids = tokenizer(text)["input_ids"]      # the tokenizer's own specials, as the trainer encodes documents
+    eos = tokenizer.eos_token_id
+    return [Prompt(ids[:n], where, "document", stops=() if eos is None else (int(eos),))
+            for n in lengths if len(ids) > n >= MIN_CONTEXT]
+
+
+def limit_new_tokens(prompts: list[Prompt], max_new: int | None, max_seq: int) -> None:
+    """Each prompt's new-token limit: --max-new-tokens, else its kind's default within an eighth
+    of the stage's max_seq_length (MIN_NEW_TOKENS at least)."""
+    cap = max(MIN_NEW_TOKENS, max_seq // NEW_TOKENS_SHARE)
+    for p in prompts:
+        p.max_new = max_new or min(DEFAULT_NEW_TOKENS.get(p.kind, 1024), cap)
+
+
+# ----------------------------------------------------------------------------- held-out records
+
+def trained_indices(n: int, conf: dict, steps: int | None) -> set[int] | None:
+    """Record indices the stage's run drew, replaying the trainer's own sampler
+    (longspec.data.ShardedBatchSampler: seeded shuffle per epoch, dealt over ranks); None when
+    that cannot be known (records skipped as bad, unknown step count or batch layout)."""
+    from longspec.data import ShardedBatchSampler
+
+    batch, accum = conf_get(conf, "per_gpu_train_batch_size"), conf_get(conf, "gradient_accumulation_steps", 1)
+    glob, seed = conf_get(conf, "global_batch_size"), conf_get(conf, "seed", 42)
+    if conf_get(conf, "data.on_bad_record", "error") != "error" or not isinstance(steps, int) or steps < 0 \
+            or not isinstance(batch, int) or not isinstance(accum, int) or batch < 1 or accum < 1:
+        return None
+    world = glob // (batch * accum) if isinstance(glob, int) and glob >= batch * accum else 1
+    seen: set[int] = set()
+    for rank in range(world):
+        sampler = ShardedBatchSampler(n, batch, seed, rank, world)
+        left, epoch = steps * accum, 0                    # micro-batches this rank took
+        while left > 0 and len(seen) < n:
+            mine = sampler.epoch_indices(epoch)
+            for start in range(0, len(mine), batch):
+                if left == 0:
+                    break
+                seen.update(mine[start:start + batch])
+                left -= 1
+            epoch += 1
+    return seen
+
+
+def stage_prompts(path: Path, tokenizer, conf: dict, steps: int | None, *, lengths: list[int],
+                  per_length: dict[int, int]) -> tuple[list[Prompt], dict]:
+    """Prompts from the newest records of the stage's data its run never drew (then drawn ones
+    when too few are left), until every length bucket holds its share (per_length)."""
+    from collections import deque
+
+    from longspec.data import DataError, read_records
+
+    from longspec.evalreport import bucket_of
+
+    tail: deque = deque(maxlen=max(256, 16 * sum(per_length.values())))
+    count = 0
+    try:
+        for line, rec in read_records(path, conf_get(conf, "data.on_bad_record", "error")):
+            tail.append((count, line, rec))
+            count += 1
+    except (DataError, OSError) as e:
+        raise PromptError(f"{path}: {e}", 3 if not isinstance(e, FileNotFoundError) else 2) from None
+    seen = trained_indices(count, conf, steps)
+    stops = end_of_turn_ids(tokenizer)
+    fresh: list[Prompt] = []
+    drawn: list[Prompt] = []
+    left = dict(per_length)
+    left_drawn = dict(per_length)
+    for idx, line, rec in reversed(tail):
+        was_drawn = seen is not None and idx in seen
+        for p in record_prompts(rec, f"{path.name}:{line}", tokenizer, lengths, stops):
+            b = bucket_of(len(p.ids), lengths)
+            room = left_drawn if was_drawn else left
+            if b is not None and room.get(b, 0) > 0:
+                room[b] -= 1
+                (drawn if was_drawn else fresh).append(p)
+        if not any(left.values()):
+            break
+    prompts = list(fresh)
+    for p in drawn:                                   # drawn records only fill what fresh ones left
+        b = bucket_of(len(p.ids), lengths)
+        if left.get(b, 0) > 0:
+            left[b] -= 1
+            prompts.append(p)
+    prompts.reverse()                                 # file order
+    if not prompts:
+        raise PromptError(f"{path}: no record gives a prompt of at most {max(lengths)} tokens "
+                          f"(collator {conf_get(conf, 'data.collator', 'short_text')})", 3)
+    n_drawn = len(prompts) - len(fresh)
+    info = {"prompt_source": str(path), "records": count,
+            "records_drawn_in_training": None if seen is None else len(seen),
+            "prompts_drawn_in_training": None if seen is None else n_drawn,
+            "heldout_check": "replayed the trainer's sampler" if seen is not None else "not possible (unverified)"}
+    return prompts, info
+
+
+# ----------------------------------------------------------------------------- --prompts FILE
+
+def read_prompt_file(path: Path) -> list[tuple[int, Any]]:
+    """A --prompts file: (line or item number, entry) from a JSON list or JSONL (blank lines skipped)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PromptError(f"{path}: no such file", 2) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise PromptError(f"{path}: cannot read ({e})", 3) from None
+    if text.lstrip().startswith("["):
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise PromptError(f"{path}: not valid JSON ({e})", 3) from None
+        return list(enumerate(data, 1))
+    out = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                out.append((i, json.loads(line)))
+            except ValueError as e:
+                raise PromptError(f"{path}:{i}: not valid JSON ({e})", 3) from None
+    return out
+
+
+def whole_prompt(rec: Any) -> str | None:
+    """A --prompts entry used as is: a string, or {"prompt": ...} without a response."""
+    if isinstance(rec, str):
+        return rec
+    if isinstance(rec, dict) and isinstance(rec.get("prompt"), str) and "response" not in rec:
+        return rec["prompt"]
+    return None
+
+
+def file_prompts(path: Path, tokenizer, *, lengths: list[int], n: int | None) -> tuple[list[Prompt], dict]:
+    """--prompts: whole prompts as given; training-style records turned into prompts (record_prompts)."""
+    stops = end_of_turn_ids(tokenizer)
+    prompts: list[Prompt] = []
+    for line, rec in read_prompt_file(path):
+        whole = whole_prompt(rec)
+        if whole is not None:
+            ids = tokenizer(whole)["input_ids"]
+            made = [Prompt(ids, f"{path.name}:{line}", "given", stops=stops)] if ids else []
+        elif isinstance(rec, dict):
+            made = record_prompts(rec, f"{path.name}:{line}", tokenizer, lengths, stops)
+            if not made and record_messages(rec) is None and document_text(rec) is None:
+                raise PromptError(f"{path}:{line}: not a prompt nor a training record", 3)
+        else:
+            raise PromptError(f"{path}:{line}: must be a string or an object", 3)
+        prompts += made
+    if n is not None:
+        prompts = prompts[:n]
+    if not prompts:
+        raise PromptError(f"{path}: no prompts", 3)
+    return prompts, {"prompt_source": str(path)}
+
+
+def conf_get(conf: dict, dotted: str, default: Any = None) -> Any:
+    node: Any = conf
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
