@@ -262,6 +262,13 @@ class RunDir:
 
     def last_step_record(self) -> dict | None:
         """The last well-formed step record, reading the file from the end."""
+        return self._last_record(is_step_record)
+
+    def last_simtau_record(self) -> dict | None:
+        """The last simulated-tau record (is_simtau_record), reading the file from the end."""
+        return self._last_record(is_simtau_record)
+
+    def _last_record(self, wanted) -> dict | None:
         try:
             with open(self.metrics_path, "rb") as f:
                 size = f.seek(0, os.SEEK_END)
@@ -276,7 +283,7 @@ class RunDir:
                     candidates = lines if pos == 0 else lines[1:]
                     for raw in reversed(candidates):
                         rec = parse_jsonl_line(raw) if raw.strip() else None
-                        if rec is not None and is_step_record(rec):
+                        if rec is not None and wanted(rec):
                             return rec
                     tail = lines[0] if pos > 0 else b""
         except (FileNotFoundError, IsADirectoryError, PermissionError):
