@@ -33,6 +33,7 @@ from longspec_cli.tui.sysinfo import Sampler, SysSample
 from longspec_cli.tui.views import ProjectView
 from longspec_cli.tui.widgets.alerts_panel import AlertsPanel
 from longspec_cli.tui.widgets.charts import MetricChart
+from longspec_cli.tui.widgets.simtau_chart import SimTauChart
 from longspec_cli.tui.widgets.confirm import ConfirmScreen
 from longspec_cli.tui.widgets.help import HelpScreen
 from longspec_cli.tui.widgets.log_tail import LogTail
@@ -108,6 +109,7 @@ class MonitorApp(App[None]):
                 with Horizontal(id="charts"):
                     yield MetricChart("loss", "loss", id="loss-chart")
                     yield MetricChart("lr", "learning rate", id="lr-chart")
+                    yield SimTauChart(id="simtau-chart")
             with Vertical(id="right"):
                 yield SystemPanel(id="system")
                 yield AlertsPanel(id="alerts")
@@ -119,6 +121,7 @@ class MonitorApp(App[None]):
         self.strip = self.query_one(StageStrip)
         self.panel = self.query_one(StagePanel)
         self.charts = list(self.query(MetricChart))
+        self.simtau_chart = self.query_one(SimTauChart)
         self.log_tail = self.query_one(LogTail)
         self.alerts = self.query_one(AlertsPanel)
         self.system = self.query_one(SystemPanel)
@@ -237,6 +240,7 @@ class MonitorApp(App[None]):
         self.panel.show(stage, where)
         for chart in self.charts:
             chart.show(view.stages)
+        self.simtau_chart.show(stage)
         self.log_tail.show(stage)
         self.alerts.show(view.alerts, view.notice, tuple(n for s in view.stages for n in s.notices))
 

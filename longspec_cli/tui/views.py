@@ -31,6 +31,8 @@ class StageView:
     tree_tau: float | None = None  # the token tree's tau on the same prompts
     chart: ChartData = ChartData((), (), ())
     chart_version: int = 0
+    simtau: tuple = ()  # simtau_series.SimTauPoint: simulated tau and per-position rates while training
+    simtau_version: int = 0
     log: tuple[str, ...] = ()
     log_seq: int = 0  # see StageFollow.log_seq
     log_gen: int = 0
