@@ -128,8 +128,7 @@ def agreement_counts(module, batches: list[tuple[Any, Any]], gamma: int, device)
             tgt = target(ids, pos, attention_mask=mask)
             hidden = target.embed(ids).to(dtype)                                  # (B, T, H)
             rope = target.rotary(pos, hidden)
-            outs = [draft(hidden, pos, tgt.k, tgt.v, cross_lag=k, rope=rope, attention_mask=mask)
-                    for k in range(1, gamma + 1)]
+            outs = draft_all_lags(draft, hidden, tgt.k, tgt.v, rope, mask, gamma)
             keep = real & (t.unsqueeze(0) >= gamma)                                # (B, T)
             if not bool(keep.any()):
                 continue
@@ -139,6 +138,33 @@ def agreement_counts(module, batches: list[tuple[Any, Any]], gamma: int, device)
                     counts[0, k] += float((_argmax(h[keep], w) == want).sum())
                     counts[1, k] += float(want.numel())
     return counts
+
+
+def draft_all_lags(draft, hidden, target_k, target_v, rope, mask, gamma: int) -> list:
+    """GlideDraft.forward at cross-attention lags 1..gamma, sharing what does not depend on the lag
+    (self-attention, the cross-attention queries): one attention call per lag, the output
+    projection and the MLP once over all lags. The same values as gamma calls of draft(...)
+    (tests/trainer/test_simtau.py holds them equal)."""
+    import torch
+
+    from longspec import kernels
+    from longspec.model import apply_rope
+
+    cos, sin = rope
+    x = draft.input_layernorm(hidden)
+    sa = draft.self_attn
+    q = apply_rope(sa.heads(sa.q_proj, x), cos, sin)
+    k = apply_rope(sa.heads(sa.k_proj, x), cos, sin)
+    y = kernels.attention(q, k, sa.heads(sa.v_proj, x), causal=True, window=draft.config.sliding_window,
+                          key_padding_mask=mask)
+    hidden = hidden + sa.out(y)
+    ca = draft.cross_attn
+    q = apply_rope(ca.heads(ca.q_proj, draft.post_self_attention_layernorm(hidden)), cos, sin)
+    ys = [kernels.attention(q, target_k, target_v, causal=True, lag=lag, key_padding_mask=mask)
+          for lag in range(1, gamma + 1)]
+    h = hidden.repeat(gamma, 1, 1) + ca.out(torch.cat(ys))                  # (gamma * B, T, H)
+    h = h + draft.mlp(draft.post_cross_attention_layernorm(h))
+    return list(h.chunk(gamma))
 
 
 def _argmax(hidden, weight):

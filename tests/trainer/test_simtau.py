@@ -109,3 +109,19 @@ def test_agreement_is_what_the_draft_and_target_predict_at_each_lag():
             h = model.draft(hidden, pos, tgt.k, tgt.v, cross_lag=k, rope=rope)
             got = model.target.lm_head(h)[0].argmax(-1)[3:]
             assert counts[0, k - 1].item() == float((got == want).sum()) and counts[1, k - 1].item() == 27.0
+
+
+def test_the_shared_lag_forward_equals_one_draft_call_per_lag():
+    model = tiny_glide(4)
+    ids = torch.randint(3, 90, (2, 24), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 24, dtype=torch.long)
+    mask[1, 17:] = 0
+    pos = torch.arange(24).expand(2, 24)
+    with torch.no_grad():
+        tgt = model.target(ids, pos, attention_mask=mask)
+        hidden = model.target.embed(ids)
+        rope = model.target.rotary(pos, hidden)
+        shared = simtau.draft_all_lags(model.draft, hidden, tgt.k, tgt.v, rope, mask, 3)
+        for k, h in enumerate(shared, 1):
+            one = model.draft(hidden, pos, tgt.k, tgt.v, cross_lag=k, rope=rope, attention_mask=mask)
+            torch.testing.assert_close(h, one, rtol=1e-5, atol=1e-5)
