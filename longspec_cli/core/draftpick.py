@@ -8,6 +8,7 @@ entry of longspec.yaml; a plain `next-stage` chains the final draft and sets it 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from longspec_cli.core import runfolder, yamlio
@@ -42,11 +43,16 @@ def record_pick(manifest: Manifest, stage: str, pick: str) -> bool:
         current = entry.get(KEY, "final")
         if current == pick or (pick == "final" and KEY not in entry):
             return False
-        if getattr(entry, "fa", None) is not None and entry.fa.flow_style():
-            raise RefusedError(f"{path}: stage {stage}'s entry is a {{flow mapping}}; cannot record the draft choice",
-                               hint=f"write `{KEY}: {pick}` into the entry by hand, or write the entry as block lines")
         lines = text.splitlines(keepends=True)
-        if KEY in entry:
+        if getattr(entry, "fa", None) is not None and entry.fa.flow_style():
+            i = entry.lc.line                               # `- {name: ..., draft_from: ...}` on one line
+            line = lines[i] if i < len(lines) else ""
+            if KEY in entry:
+                line = re.sub(rf"\b{KEY}\s*:\s*[A-Za-z]+", f"{KEY}: {pick}", line, count=1)
+            elif line.count("}") == 1:
+                line = line.replace("}", f", {KEY}: {pick}}}")
+            lines[i:i + 1] = [line]
+        elif KEY in entry:
             i = entry.lc.key(KEY)[0]
             indent = lines[i][: len(lines[i]) - len(lines[i].lstrip())]
             end = "\r\n" if lines[i].endswith("\r\n") else "\n"
