@@ -632,3 +632,49 @@ def test_zero3_build_partitions_target_and_draft_on_each_rank_with_unchanged_val
         assert_half(*r["draft"])
         assert r["target_differs"] == [] and r["draft_differs"] == []
         assert r["draft_dtype"] == "torch.float32"
+
+
+@pytest.mark.slow
+def test_simulated_tau_agrees_with_evals_chain_tau_on_the_heldout_records(base_run, tiny, tmp_path):
+    """The same held-out records as eval's prompts: simulated tau near eval's greedy chain tau for
+    the trained draft, and both put the trained draft above a fresh one."""
+    import torch
+
+    from longspec import simtau
+    from longspec.checkpoint import load_draft_state, save_draft
+    from longspec.data import read_records
+    from longspec.model import GlideDraft, build_glide
+    from longspec.prepare import ensure
+
+    assert base_run["proc"].returncode == 0, show(base_run["proc"])
+    run = base_run["run"]
+    held = json.loads((run / "heldout.json").read_text())
+    recs = [r for i, (_, r) in enumerate(read_records(Path(tiny["data"]["base"]), "error"))
+            if held["start"] <= i < held["start"] + held["records"]]
+    prompts = tmp_path / "heldout.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    # a fresh draft (another seed than the run's) next to the trained one
+    model = build_glide(tiny["target"], sliding_window=512, dtype=torch.float32).eval()
+    torch.manual_seed(7)
+    fresh = tmp_path / "fresh.pth"
+    save_draft(GlideDraft(model.draft.config).state_dict(), fresh)
+    dataset, _, _ = ensure(Path(tiny["data"]["base"]), tiny["target"],
+                           {"collator": "short_text", "max_seq_length": 96, "on_bad_record": "error"},
+                           workers=1, progress=False)
+    rows = [(dataset[held["start"] + j]["input_ids"][:n].unsqueeze(0), torch.tensor([n]))
+            for j, n in enumerate(held["lengths"])]
+    sim, ev = {}, {}
+    for name, path in (("fresh", fresh), ("trained", run / "draft_model_weights.pth")):
+        model.draft.load_state_dict(load_draft_state(path))
+        counts = simtau.agreement_counts(model, rows, 4, torch.device("cpu"))
+        sim[name] = simtau.chain_tau((counts[0] / counts[1]).tolist())
+        proc = subprocess.run([PY, "-m", "longspec.evaluate", str(run), "--draft", str(path), "--prompts", str(prompts),
+                               "--num-prompts", str(len(recs)), "--gamma", "4", "--no-write", "--json"],
+                              capture_output=True, text=True, env=env(), timeout=600)
+        assert proc.returncode == 0, show(proc)
+        ev[name] = json.loads(proc.stdout.strip().splitlines()[-1])["methods"]["chain"]["tau"]
+    # in-process, the trained draft's estimate is the trainer's own record of its last step
+    last = runfolder.RunDir(run).last_simtau_record()
+    assert last["step"] == BASE_STEPS and sim["trained"] == pytest.approx(last["tau"], abs=2e-3)
+    assert sim["trained"] > sim["fresh"] and ev["trained"] > ev["fresh"]          # the same order
+    assert 0.6 <= sim["trained"] / ev["trained"] <= 1.4, (sim, ev)
