@@ -141,12 +141,10 @@ def agreement_counts(module, batches: list[tuple[Any, Any]], gamma: int, device)
 
 
 def draft_all_lags(draft, hidden, target_k, target_v, rope, mask, gamma: int) -> list:
-    """GlideDraft.forward at cross-attention lags 1..gamma, sharing what does not depend on the lag
-    (self-attention, the cross-attention queries): one attention call per lag, the output
-    projection and the MLP once over all lags. The same values as gamma calls of draft(...)
+    """GlideDraft.forward at cross-attention lags 1..gamma (a list of (B, T, H)), sharing what does not depend on the lag
+    (self-attention, the cross-attention queries); then per lag the cross-attention, its output
+    projection and the MLP. The same values as gamma calls of draft(...)
     (tests/trainer/test_simtau.py holds them equal)."""
-    import torch
-
     from longspec import kernels
     from longspec.model import apply_rope
 
@@ -160,11 +158,11 @@ def draft_all_lags(draft, hidden, target_k, target_v, rope, mask, gamma: int) ->
     hidden = hidden + sa.out(y)
     ca = draft.cross_attn
     q = apply_rope(ca.heads(ca.q_proj, draft.post_self_attention_layernorm(hidden)), cos, sin)
-    ys = [kernels.attention(q, target_k, target_v, causal=True, lag=lag, key_padding_mask=mask)
-          for lag in range(1, gamma + 1)]
-    h = hidden.repeat(gamma, 1, 1) + ca.out(torch.cat(ys))                  # (gamma * B, T, H)
-    h = h + draft.mlp(draft.post_cross_attention_layernorm(h))
-    return list(h.chunk(gamma))
+    outs = []
+    for lag in range(1, gamma + 1):          # one lag at a time: the MLP's activations of one forward
+        h = hidden + ca.out(kernels.attention(q, target_k, target_v, causal=True, lag=lag, key_padding_mask=mask))
+        outs.append(h + draft.mlp(draft.post_cross_attention_layernorm(h)))
+    return outs
 
 
 def _argmax(hidden, weight):
@@ -187,7 +185,9 @@ class SimTau:
             if hasattr(dataset, "offsets") else None
         self.train_part = dataset if self.heldout is None else TrainPart(dataset, self.heldout.start)
         recorded, _ = runfolder.read_json(out.dir / runfolder.HELDOUT)
-        if resumed and recorded is not None:
+        if resumed and recorded is None:
+            self.heldout, self.train_part = None, dataset    # a run begun without a held-out set keeps its sampler
+        elif resumed:
             now = self.heldout.to_json() if self.heldout else None
             if now is None or recorded.get("sha256") != now["sha256"] or recorded.get("start") != now["start"]:
                 raise HeldoutChanged(
