@@ -1,6 +1,6 @@
 """Simulated tau while training: agreement with `eval`'s chain tau, checkpoint ranking, and cost.
 
-    .venv/bin/python bench/bench_simtau.py [--dir DIR] [--skip-cost] [--gamma 4]
+    .venv/bin/python bench/bench_simtau.py [--dir DIR] [--skip-cost] [--together] [--gamma 4]
 
 1. Agreement. Runs the tiny demo pipeline (`longspec demo --no-eval`, default settings: every
    stage records simulated tau at step 0, every eval_steps and at the end). For each stage, the
@@ -32,16 +32,25 @@ sys.path.insert(0, str(ROOT))
 STAGES = ("base", "long", "longcot")
 
 
-def demo(d: Path, *overrides: str) -> None:
+def start(d: Path, *overrides: str) -> subprocess.Popen:
+    """`longspec init --preset tiny` then `longspec run --all` (started, not waited for)."""
     if d.exists():
         shutil.rmtree(d)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
     subprocess.run([sys.executable, "-m", "longspec_cli", "init", str(d), "--preset", "tiny", "--no-input"],
                    check=True, cwd=ROOT, env=env, capture_output=True)
-    proc = subprocess.run([sys.executable, "-m", "longspec_cli", "run", str(d), "--all", *overrides],
-                          cwd=ROOT, env=env, capture_output=True, text=True)
+    return subprocess.Popen([sys.executable, "-m", "longspec_cli", "run", str(d), "--all", *overrides],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait(proc: subprocess.Popen) -> None:
+    out, _ = proc.communicate()
     if proc.returncode != 0:
-        sys.exit(f"run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        sys.exit(f"run failed ({proc.returncode}):\n{out[-3000:]}")
+
+
+def demo(d: Path, *overrides: str) -> None:
+    wait(start(d, *overrides))
 
 
 def records(run: Path) -> dict[int, dict]:
@@ -134,15 +143,22 @@ def main() -> None:
     ap.add_argument("--dir", type=Path)
     ap.add_argument("--skip-cost", action="store_true")
     ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--together", action="store_true",
+                    help="run the eval_steps=0 pipeline at the same time as the default one (a loaded machine "
+                         "then slows both alike)")
     a = ap.parse_args()
     base = a.dir or Path(tempfile.mkdtemp(prefix="ls-simtau-"))
     on, off = base / "on", base / "off"
+    second = start(off, "eval_steps=0") if a.together and not a.skip_cost else None
     demo(on)
+    if second is not None:
+        wait(second)
     agreement(on, a.gamma)
     with_eval = stage_costs(on)
     print("cost (trainer wall s of each stage, `end` event):")
     if not a.skip_cost:
-        demo(off, "eval_steps=0")
+        if second is None:
+            demo(off, "eval_steps=0")
         without = stage_costs(off)
     for stage in STAGES:
         wall, inside = with_eval[stage]
