@@ -51,6 +51,10 @@ class RunWriter:
     def event(self, name: str, step: int, **fields: Any) -> None:
         self._append({"event": name, "step": int(step), "time": time.time(), **fields})
 
+    def record(self, record: dict[str, Any]) -> None:
+        """Another metrics line kind (`{"record": KIND, "step", ...}`; runfolder says what each means)."""
+        self._append({**record, "time": time.time()})
+
     def step_record(self, *, step: int, total_steps: int, loss: float, llm_loss: float | None,
                     lr: float, tokens_per_s: float, elapsed_s: float) -> None:
         self._append({

@@ -157,6 +157,7 @@ def trained_indices(n: int, conf: dict, steps: int | None) -> set[int] | None:
     (longspec.data.ShardedBatchSampler: seeded shuffle per epoch, dealt over ranks); None when
     that cannot be known (records skipped as bad, unknown step count or batch layout)."""
     from longspec.data import ShardedBatchSampler
+    from longspec_cli.core import runfolder
 
     batch, accum = conf_get(conf, "per_gpu_train_batch_size"), conf_get(conf, "gradient_accumulation_steps", 1)
     glob, seed = conf_get(conf, "global_batch_size"), conf_get(conf, "seed", 42)
@@ -164,6 +165,10 @@ def trained_indices(n: int, conf: dict, steps: int | None) -> set[int] | None:
             or not isinstance(batch, int) or not isinstance(accum, int) or batch < 1 or accum < 1:
         return None
     world = glob // (batch * accum) if isinstance(glob, int) and glob >= batch * accum else 1
+    out = conf_get(conf, "output_dir")
+    held, _ = runfolder.read_json(Path(out) / runfolder.HELDOUT) if out else (None, None)
+    if held is not None and isinstance(held.get("start"), int) and 0 < held["start"] <= n:
+        n = held["start"]                     # the sampler deals only the records before the held-out ones
     seen: set[int] = set()
     for rank in range(world):
         sampler = ShardedBatchSampler(n, batch, seed, rank, world)

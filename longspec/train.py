@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from longspec import dsconfig, outputs
+from longspec import dsconfig, outputs, simtau
 from longspec.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED, WATCH
 from longspec_cli.core import runfolder
 
@@ -378,7 +378,8 @@ class Session:
         self.dist_ready = True
         self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
 
-        self.dataset, self.pad_id = self.pre.dataset, self.pre.tokenizer.pad_token_id
+        self.simtau = simtau.SimTau(conf, self.pre.dataset, self.out, self.rank, self.world, resume_from is not None)
+        self.dataset, self.pad_id = self.simtau.train_part, self.pre.tokenizer.pad_token_id
         self.per_epoch = len(self._loader(epoch=0, skip=0))
         if self.per_epoch == 0:
             raise TrainError(f"train_file = {conf['train_file']}: no batch of "
@@ -400,6 +401,7 @@ class Session:
                 self.out.remove_all_checkpoints()
             self.out.clear_stage_complete()
             self.out.write_training_config(_training_config_yaml(conf, ds_conf, self.origin))
+            self.simtau.commit()
 
         self.backends = self._kernels(accel)               # KernelUnavailable before the model loads
         self.engine = self._engine(ds_conf)
@@ -526,6 +528,8 @@ class Session:
         t_train, step0 = time.time(), self.step
         t_log, tokens_log = time.time(), 0.0
         engine.train()
+        if self.step == 0:
+            self.simtau.maybe(self)
         while self.step < self.total:
             sums = torch.zeros(4, dtype=torch.float64)       # loss, llm_loss, tokens, stop request
             for micro in range(ga):
@@ -563,6 +567,8 @@ class Session:
                        f"llm_loss {llm_loss:.4f} lr {lr:.3g} {tps:,.0f} tok/s "
                        f"ETA {_clock(per_step * (self.total - self.step))}")
                 t_log, tokens_log = now, 0.0
+            if self.simtau.maybe(self):
+                t_log = time.time()
             if self.step % conf["save_steps"] == 0 or self.step == self.total:
                 self.save_checkpoint()
                 t_log = time.time()                      # throughput leaves the save time out
@@ -720,7 +726,7 @@ def _training_config_yaml(conf: dict, ds_conf: dict, origin: Origin) -> str:
 # ----------------------------------------------------------------------------- entry point
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    errors: list[type[BaseException]] = [dsconfig.ConfigError, TrainError]
+    errors: list[type[BaseException]] = [dsconfig.ConfigError, TrainError, simtau.HeldoutChanged]
     from longspec.checkpoint import DraftLoadError
 
     errors.append(DraftLoadError)

@@ -70,6 +70,8 @@ def summary(project_dir: Path) -> dict:
                 "elapsed_s": s.elapsed_s, "eta_s": s.eta_s, "sha256": s.sha256, "draft_from": s.draft_from,
                 "output_dir": s.output_dir, "next_action": s.next_action, "reasons": list(s.reasons),
                 "skipped_lines": s.skipped_lines, "notices": list(s.notices), "tau": s.tau, "tree_tau": s.tree_tau,
+                "simulated_tau": s.simtau[-1].tau if s.simtau else None,
+                "simulated_tau_step": s.simtau[-1].step if s.simtau else None,
                 "prepared": prepared.get(s.name),
             }
             for s in view.stages

@@ -71,6 +71,12 @@ def _render(manifest, stages, plan: str) -> None:
     console = Console(soft_wrap=True)
     console.print(table)
     for st in stages:
+        if st.sim_tau is not None:
+            best = (f"; best/ {st.best_tau:.2f} at step {st.best_step}" if st.best_tau is not None else "")
+            console.print(Text(f"  {st.name}: simulated tau {st.sim_tau:.2f} at step {st.sim_tau_step} (per position "
+                               + " ".join(f"{a:.2f}" for a in st.sim_alpha or []) + f"){best}"))
+        if st.draft_pick == "best":
+            console.print(Text(f"  {st.name}: starts from {st.draft_from}'s best draft (draft_pick: best)", style="dim"))
         for reason in st.reasons:
             console.print(Text(f"  {st.name}: {reason}", style="dim"))
     console.print(Text("next: ", style="bold") + Text(plan))

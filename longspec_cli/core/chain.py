@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from longspec_cli.core import runfolder, yamlio
+from longspec_cli.core.draftpick import record_pick, upstream_draft
 from longspec_cli.core.manifest import Manifest, StageSpec, resolve_path, same_file
 from longspec_cli.core.yamledit import set_root_scalar
 from longspec_cli.errors import InputError, RefusedError, UsageError
@@ -35,9 +36,21 @@ class VerifiedDraft:
     deep: dict | None = None  # the subprocess check's report, None when torch is not importable or skipped
 
 
-def verify_stage_draft(spec: StageSpec, target: Path | None, deep: bool | None = None) -> VerifiedDraft:
-    """The final draft of a finished stage, or RefusedError/InputError that says why it is not usable."""
+def verify_stage_draft(spec: StageSpec, target: Path | None, deep: bool | None = None,
+                       pick: str = "final") -> VerifiedDraft:
+    """The final draft of a finished stage (pick "best": its best/ draft, the highest simulated tau),
+    or RefusedError/InputError that says why it is not usable."""
     rd = runfolder.RunDir(spec.output_dir)
+    if pick == "best" and rd.stage_complete() is not None:
+        best = rd.best()
+        if best is None:
+            raise RefusedError(f"stage {spec.name} has no best draft ({spec.output_dir}/{runfolder.BEST_INFO} is "
+                               "missing or its weights do not match it)",
+                               hint="the stage ran with eval_steps=0 or eval_tokens=0; chain its final draft "
+                                    "(without --best)")
+        weights = Path(best["weights"])
+        return VerifiedDraft(weights.absolute(), best["sha256"],
+                             run_deep_check(weights, target, best["sha256"]) if deep is not False else None)
     complete = rd.stage_complete()
     if complete is None:
         if rd.stage_complete_error:
@@ -136,6 +149,8 @@ class ChainResult:
     deep_check: dict | None = None
     diff: str = field(default="", repr=False)
     note: str | None = None
+    draft_pick: str | None = None  # final | best: which draft of the upstream stage (project mode)
+    manifest_changed: bool = False  # longspec.yaml's draft_pick line was written
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -155,7 +170,7 @@ def composed_draft(config: Path, overrides: list[str] | tuple[str, ...] = ()) ->
     return c.get(DRAFT_KEY), None
 
 
-def pick_stage(manifest: Manifest, to: str | None) -> tuple[StageSpec, StageSpec] | None:
+def pick_stage(manifest: Manifest, to: str | None, pick: str | None = None) -> tuple[StageSpec, StageSpec] | None:
     """(target stage, stage whose draft it takes); None when every finished upstream is already chained.
     A stage counts as chained when its *composed* draft key points at the upstream's final draft."""
     if to is not None:
@@ -170,7 +185,7 @@ def pick_stage(manifest: Manifest, to: str | None) -> tuple[StageSpec, StageSpec
         if not spec.draft_from:
             continue
         prev = manifest.stage(spec.draft_from)
-        weights = runfolder.RunDir(prev.output_dir).finished_draft()
+        weights = upstream_draft(prev, pick or spec.draft_pick)
         if weights is None:
             continue
         finished = True
@@ -281,8 +296,10 @@ def _draft_target(config: Path, base: Path, fallback: Path | None) -> Path | Non
 
 
 def chain_project(manifest: Manifest, to: str | None, *, dry_run: bool, deep: bool | None,
-                  edit_in: Path | None = None, force: bool = False) -> ChainResult | None:
-    picked = pick_stage(manifest, to)
+                  edit_in: Path | None = None, force: bool = False, pick: str = "final") -> ChainResult | None:
+    """Chain the next stage (or `to`) to its upstream's final draft, or its best one (pick "best");
+    the choice is recorded in the manifest (draftpick.record_pick) once the edit is kept."""
+    picked = pick_stage(manifest, to, pick)
     if picked is None:
         return None
     spec, prev = picked
@@ -290,9 +307,13 @@ def chain_project(manifest: Manifest, to: str | None, *, dry_run: bool, deep: bo
         raise UsageError(f"stage {spec.name}: config {spec.config} does not exist",
                          hint="fix `config` in longspec.yaml")
     yamlio.load_mapping(spec.config)  # bad YAML -> exit 3 before anything else happens
-    draft = verify_stage_draft(prev, _draft_target(spec.config, manifest.root, manifest.target), deep)
-    return write_draft_key(spec.config, draft, dry_run=dry_run, stage=spec.name, from_stage=prev.name,
-                           edit_in=edit_in, force=force)
+    draft = verify_stage_draft(prev, _draft_target(spec.config, manifest.root, manifest.target), deep, pick)
+    result = write_draft_key(spec.config, draft, dry_run=dry_run, stage=spec.name, from_stage=prev.name,
+                             edit_in=edit_in, force=force)
+    result.draft_pick = pick
+    if not dry_run:
+        result.manifest_changed = record_pick(manifest, spec.name, pick)
+    return result
 
 
 def chain_explicit(config: Path, draft_path: Path, *, dry_run: bool, deep: bool | None,

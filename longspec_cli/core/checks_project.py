@@ -143,7 +143,9 @@ def _chain(c: Composed, st: Any, m: Any, ctx: Context) -> list[Problem]:
     parent = next((s for s in m.stages if s.name == st.draft_from), None)
     if parent is None:
         return []
-    want = parent.output_dir / WEIGHTS_NAMES[0]
+    best = getattr(st, "draft_pick", "final") == "best"          # `next-stage --best`: the parent's best/ draft
+    home = parent.output_dir / "best" if best else parent.output_dir
+    want = home / WEIGHTS_NAMES[0]
     if draft is None:
         return [c.problem("info", key, f"{key} is null: `longspec next-stage` sets it to {want} once stage "
                                        f"{parent.name} is done")]
@@ -152,9 +154,9 @@ def _chain(c: Composed, st: Any, m: Any, ctx: Context) -> list[Problem]:
     p = abs_path(ctx, draft)
     owner = next((s for s in m.stages if is_under(p, s.output_dir)), None)
     if owner is parent:
-        if p.name in WEIGHTS_NAMES and p.parent == parent.output_dir:
+        if p.name in WEIGHTS_NAMES and p.parent == home:
             return []
-        return [c.problem("warning", key, f"{key} {p} is not stage {parent.name}'s final draft",
+        return [c.problem("warning", key, f"{key} {p} is not stage {parent.name}'s {'best' if best else 'final'} draft",
                           f"use {want}")]
     if owner is not None:
         return [c.problem("error", key, f"lineage fork: stage {st.name} has draft_from: {parent.name} but its draft "

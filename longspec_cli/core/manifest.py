@@ -29,7 +29,8 @@ MANIFEST_NAME = "longspec.yaml"
 VARIANTS = ("standard", "sinkpi-slicing")
 LEGACY_VARIANTS = {"sinkpi": "sinkpi-slicing"}   # the name older manifests used
 TOP_KEYS = ("name", "preset", "variant", "target", "launch", "stages")
-STAGE_KEYS = ("name", "config", "output_dir", "draft_from")
+STAGE_KEYS = ("name", "config", "output_dir", "draft_from", "draft_pick")
+DRAFT_PICKS = ("final", "best")  # which draft of the draft_from stage a stage starts from
 LAUNCH_KEYS = ("gpus", "nodes", "hostfile")
 
 
@@ -40,6 +41,7 @@ class StageSpec:
     output_dir: Path  # absolute: the run folder
     draft_from: str | None  # name of an earlier stage, or None (fresh draft)
     line: int | None = None  # line of this entry in longspec.yaml
+    draft_pick: str = "final"  # final | best (the upstream's best/ draft: `next-stage --best` records it)
 
 
 @dataclass(frozen=True)
@@ -191,12 +193,16 @@ def _stages(raw: Any, doc: yamlio.YamlDoc, err, root: Path) -> list[StageSpec]:
                 err(f"stages[{i}].draft_from {draft_from!r} {why}", line=key_line(entry, "draft_from") or line,
                     hint=_did_you_mean(draft_from, names) or (f"earlier stages: {', '.join(names)}" if names else
                                                               "the first stage has draft_from: null"))
+        pick = entry.get("draft_pick", "final")
+        if pick not in DRAFT_PICKS:
+            err(f"stages[{i}].draft_pick must be one of {', '.join(DRAFT_PICKS)}; got {pick!r}",
+                line=key_line(entry, "draft_pick") or line, hint="`longspec next-stage --best` sets it")
         output_dir = resolve_path(root, vals["output_dir"])
         if output_dir.exists() and not output_dir.is_dir():
             err(f"stages[{i}].output_dir {str(output_dir)!r} is a file, not a folder",
                 line=key_line(entry, "output_dir") or line, hint="point output_dir at a folder (made when the stage runs)")
         out.append(StageSpec(name=vals["name"], config=resolve_path(root, vals["config"]),
-                             output_dir=output_dir, draft_from=draft_from, line=line))
+                             output_dir=output_dir, draft_from=draft_from, line=line, draft_pick=pick))
     return out
 
 

@@ -30,11 +30,16 @@ RUN_INFO = "run.json"
 STAGE_COMPLETE = "stage_complete.json"
 CHECKPOINT_INFO = "checkpoint.json"
 SHA256_CACHE = "sha256.json"  # under atomic.cache_root()
+BEST_DIR = "best"  # the draft with the highest simulated tau of the stage (best/draft_model_weights.pth)
+BEST_INFO = "best.json"  # in the run folder, written after best/'s weights: step, tau, alpha, sha256
+HELDOUT = "heldout.json"  # the held-out records of the simulated-tau evaluation (fixed for the run)
+SIMTAU = "simtau"  # the `record` field of a simulated-tau metrics line
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
-# Overrides that say where or how to run, not what to train: left out of the fingerprint.
-ORIGIN_ONLY_KEYS = frozenset({"exp", "output_dir", "force"})
+# Overrides that say where or how to run, or what to measure, not what to train: left out of the
+# fingerprint (so a resume accepts them). eval_tokens is not one: it sets the held-out records.
+ORIGIN_ONLY_KEYS = frozenset({"exp", "output_dir", "force", "eval_steps", "eval_gamma"})
 
 
 def config_overrides(overrides: Iterable[str]) -> list[str]:
@@ -73,6 +78,10 @@ class MetricsLog:
     def events(self) -> list[dict]:
         return [r for r in self.records if "event" in r]
 
+    @property
+    def simtau(self) -> list[dict]:
+        return [r for r in self.records if is_simtau_record(r)]
+
 
 LIFECYCLE_EVENTS = ("start", "resume", "end", "error", "preempted")  # what a run did last; not `checkpoint`
 
@@ -82,8 +91,20 @@ def last_lifecycle_event(events: list[dict]) -> dict | None:
     return next((e for e in reversed(events) if e.get("event") in LIFECYCLE_EVENTS), None)
 
 
+def _int_step(rec: dict) -> bool:
+    return isinstance(rec.get("step"), int) and not isinstance(rec.get("step"), bool)
+
+
 def is_step_record(rec: dict) -> bool:
-    return "event" not in rec and isinstance(rec.get("step"), int) and not isinstance(rec.get("step"), bool)
+    return "event" not in rec and "record" not in rec and _int_step(rec)
+
+
+def is_simtau_record(rec: dict) -> bool:
+    """A simulated-tau line: {"record": "simtau", "step", "tau", "alpha": [per draft position], ...}."""
+    tau, alpha = rec.get("tau"), rec.get("alpha")
+    return (rec.get("record") == SIMTAU and "event" not in rec and _int_step(rec)
+            and isinstance(tau, (int, float)) and not isinstance(tau, bool)
+            and isinstance(alpha, list) and all(isinstance(a, (int, float)) for a in alpha))
 
 
 def parse_jsonl_line(raw: bytes | str) -> dict | None:
@@ -241,6 +262,13 @@ class RunDir:
 
     def last_step_record(self) -> dict | None:
         """The last well-formed step record, reading the file from the end."""
+        return self._last_record(is_step_record)
+
+    def last_simtau_record(self) -> dict | None:
+        """The last simulated-tau record (is_simtau_record), reading the file from the end."""
+        return self._last_record(is_simtau_record)
+
+    def _last_record(self, wanted) -> dict | None:
         try:
             with open(self.metrics_path, "rb") as f:
                 size = f.seek(0, os.SEEK_END)
@@ -255,7 +283,7 @@ class RunDir:
                     candidates = lines if pos == 0 else lines[1:]
                     for raw in reversed(candidates):
                         rec = parse_jsonl_line(raw) if raw.strip() else None
-                        if rec is not None and is_step_record(rec):
+                        if rec is not None and wanted(rec):
                             return rec
                     tail = lines[0] if pos > 0 else b""
         except (FileNotFoundError, IsADirectoryError, PermissionError):
@@ -295,6 +323,25 @@ class RunDir:
             return weights if weights.is_file() and cached_sha256(weights) == complete["sha256"] else None
         except OSError:
             return None
+
+    def best(self) -> dict | None:
+        """best.json of the stage's best draft (highest simulated tau) when best/'s weights still
+        match its sha256; None otherwise. `weights` is made an absolute path."""
+        info, _ = read_json(self.path / BEST_INFO)
+        if info is None or not isinstance(info.get("weights"), str) or not isinstance(info.get("sha256"), str):
+            return None
+        weights = self.path / info["weights"]
+        try:
+            if not weights.is_file() or cached_sha256(weights) != info["sha256"]:
+                return None
+        except OSError:
+            return None
+        return {**info, "weights": str(weights)}
+
+    def best_draft(self) -> Path | None:
+        """The best draft of the stage (best/, highest simulated tau), verified; None when there is none."""
+        info = self.best()
+        return Path(info["weights"]) if info else None
 
     def checkpoints(self) -> list[Checkpoint]:
         """Complete checkpoints (checkpoint.json present and a JSON object), sorted by step."""

@@ -170,6 +170,9 @@ LONGSPEC_SPEC: dict[str, Spec] = {
     "warmup_steps": _int(0),
     "save_steps": _pos_int(),
     "save_total_limit": _int(0, nullable=True),
+    "eval_steps": _int(0),
+    "eval_tokens": _int(0),
+    "eval_gamma": _int(1, 16),
     "logging_steps": _pos_int(),
     "seed": _int(0),
     "loss_chunk_size": _pos_int(),
@@ -256,7 +259,6 @@ UPSTREAM_TO_LONGSPEC = {
     "resume": "remove it: a stage resumes from its newest complete checkpoint by itself",
     "train_batch_size": "longspec's key is global_batch_size",
     "do_eval": "remove it: `longspec eval` measures a stage",
-    "eval_steps": "remove it: `longspec eval` measures a stage",
 }
 # Upstream values that are still checked against the longspec key they stand for.
 UPSTREAM_VALUE_OF = {"collator.max_seq_length": "data.max_seq_length"}

@@ -50,6 +50,14 @@ class StageStatus:
     # tau, baseline_tau (the input draft's on the same prompts)}]
     tau_by_length: list[dict] = field(default_factory=list)
     eval_results: list[str] = field(default_factory=list)  # other measurements: eval-<what>.json names
+    sim_tau: float | None = None  # the latest simulated tau while training (metrics.jsonl), its step and rates
+    sim_tau_step: int | None = None
+    sim_alpha: list[float] | None = None
+    best_tau: float | None = None  # best/: the draft with the highest simulated tau, its step and sha256
+    best_step: int | None = None
+    best_weights: str | None = None
+    best_sha256: str | None = None
+    draft_pick: str = "final"  # which draft of draft_from the stage starts from (longspec.yaml)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -112,6 +120,8 @@ def stage_status(spec: StageSpec, upstream: StageStatus | None = None, root: Pat
             st.reasons.append(f"cannot hash {weights}: {e.strerror or e}")
 
     _read_eval(st, spec)
+    _read_simtau(st, rd)
+    st.draft_pick = spec.draft_pick
     events = rd.events()
     _progress(st, rd, complete, events)
     last_event = runfolder.last_lifecycle_event(events)
@@ -139,10 +149,11 @@ def stage_status(spec: StageSpec, upstream: StageStatus | None = None, root: Pat
                else "is gone")
         st.reasons.append(f"process {info.get('pid')} {how} and stage_complete.json was never written")
     _next_action(st, rd, upstream)
-    if (st.action in ("start", "resume", "rerun") and upstream is not None and upstream.draft_weights
-            and not same_file(st.draft_model_name_or_path, upstream.draft_weights, root or spec.config.parent)):
-        st.reasons.append(f"{DRAFT_KEY} does not point at {upstream.name}'s final draft yet "
-                          f"(`longspec next-stage` sets it)")
+    wanted = upstream_weights(upstream, spec.draft_pick) if upstream is not None else None
+    if (st.action in ("start", "resume", "rerun") and wanted
+            and not same_file(st.draft_model_name_or_path, wanted, root or spec.config.parent)):
+        st.reasons.append(f"{DRAFT_KEY} does not point at {upstream.name}'s {spec.draft_pick} draft yet "
+                          f"(`longspec next-stage{' --best' if spec.draft_pick == 'best' else ''}` sets it)")
     return st
 
 
@@ -191,9 +202,27 @@ def config_current(spec: StageSpec, complete: dict, overrides: list[str]) -> boo
         return None
 
 
-def draft_current(complete: dict, upstream: StageStatus | None) -> bool:
-    """Was the finished stage trained from its upstream's current final draft (upstream done)?"""
-    return upstream is None or (upstream.state == "done" and complete.get("draft_sha256") == upstream.sha256)
+def upstream_weights(upstream: StageStatus, pick: str) -> str | None:
+    """The upstream's draft a stage starts from: its final weights, or its best/ ones (pick "best")."""
+    return upstream.best_weights if pick == "best" else upstream.draft_weights
+
+
+def draft_current(complete: dict, upstream: StageStatus | None, pick: str = "final") -> bool:
+    """Was the finished stage trained from its upstream's current final draft (or best draft, pick
+    "best"), the upstream being done?"""
+    want = upstream.best_sha256 if upstream is not None and pick == "best" else getattr(upstream, "sha256", None)
+    return upstream is None or (upstream.state == "done" and complete.get("draft_sha256") == want)
+
+
+def _read_simtau(st: StageStatus, rd: runfolder.RunDir) -> None:
+    """The latest simulated-tau record and the best draft (best.json, verified) of the run folder."""
+    rec = rd.last_simtau_record()
+    if rec is not None:
+        st.sim_tau, st.sim_tau_step, st.sim_alpha = float(rec["tau"]), rec["step"], list(rec["alpha"])
+    best = rd.best()
+    if best is not None:
+        st.best_tau, st.best_step = _float(best.get("tau")), _int(best.get("step"))
+        st.best_weights, st.best_sha256 = best["weights"], best["sha256"]
 
 
 def _check_stale(st: StageStatus, spec: StageSpec, complete: dict, info: dict | None,
@@ -207,10 +236,10 @@ def _check_stale(st: StageStatus, spec: StageSpec, complete: dict, info: dict | 
     elif not same_config:
         st.state = "stale"
         st.reasons.append(f"config changed since the run ({spec.config.name})")
-    if not draft_current(complete, upstream):
+    if not draft_current(complete, upstream, spec.draft_pick):
         st.state = "stale"
         st.reasons.append(f"upstream stage {upstream.name} is {upstream.state}" if upstream.state != "done"
-                          else f"trained from a different draft than {upstream.name}'s current one"
+                          else f"trained from a different draft than {upstream.name}'s current {spec.draft_pick} one"
                           if complete.get("draft_sha256") else f"trained without {upstream.name}'s draft")
 
 

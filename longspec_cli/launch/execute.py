@@ -233,11 +233,11 @@ def _chain_into(manifest: Manifest, spec: StageSpec, console: Console, chain, de
     (deep=False: without the subprocess load check, when the evaluator has just done it)."""
     from longspec_cli.core.status import stage_status
 
-    prev = manifest.stage(spec.draft_from)
+    prev = manifest.stage(spec.draft_from)        # (the manifest's draft_pick: final or best draft)
     if stage_status(prev).state != "done":
         raise RefusedError(f"stage {spec.name} starts from {prev.name}'s draft, but {prev.name} is not done",
                            hint=f"run it first: `longspec run {manifest.root} {prev.name}` (or use --all)")
-    result = chain.chain_project(manifest, spec.name, dry_run=False, deep=deep)
+    result = chain.chain_project(manifest, spec.name, dry_run=False, deep=deep, pick=spec.draft_pick)
     if result is not None:
         state = "set" if result.written else "already set"
         console.say(f"{spec.name}: draft_model_name_or_path {state} to {result.new} "

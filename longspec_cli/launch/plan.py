@@ -145,7 +145,7 @@ def plan_stages(manifest: Manifest, req: RunRequest) -> list[StagePlan]:
         same_config = complete is not None and config_current(spec, complete, req.overrides) is True
         up = statuses.get(spec.draft_from) if spec.draft_from else None
         same_draft = up is None or (spec.draft_from not in rerun and complete is not None
-                                    and draft_current(complete, up))
+                                    and draft_current(complete, up, spec.draft_pick))
         if st.state in FINISHED and same_config and same_draft:
             plans.append(StagePlan(spec, "skip", "done, config unchanged"))
             continue

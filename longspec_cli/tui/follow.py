@@ -24,6 +24,7 @@ from longspec_cli.core import liveness, runfolder
 from longspec_cli.core.manifest import Manifest, StageSpec, load_manifest
 from longspec_cli.tui import alerts as A
 from longspec_cli.tui.series import ChartData, Series, finite_or_nan
+from longspec_cli.tui.simtau_series import SimTauSeries, falling_alert
 from longspec_cli.core.tail import LineTail, read_range_chunks
 from longspec_cli.tui.views import ProjectView, StageView
 
@@ -40,6 +41,7 @@ class History:
     generation: int
     series: Series
     skipped: int = 0
+    simtau: SimTauSeries | None = None
     total_steps: int | None = None
 
 
@@ -81,7 +83,7 @@ class StageFollow:
         self._chart: tuple[Series, int, ChartData] | None = None  # the chart of (series, version)
 
     def _clear_metrics(self) -> None:
-        self.series = Series()
+        self.series, self.simtau = Series(), SimTauSeries()
         self.recent: deque[dict] = deque(maxlen=64)
         self.step_clock = A.StepClock()
         self.last: dict | None = None
@@ -117,7 +119,7 @@ class StageFollow:
         gen, end = self._generation, self.history_end
         if end <= 0:
             return None
-        hist = History(stage=-1, generation=gen, series=Series())
+        hist = History(stage=-1, generation=gen, series=Series(), simtau=SimTauSeries())
         try:
             for lines in read_range_chunks(self.run.metrics_path, end):
                 records, bad = runfolder.parse_metrics_lines(lines)
@@ -128,7 +130,9 @@ class StageFollow:
                     if "event" in rec:
                         if rec["event"] == "start" and type(rec.get("total_steps")) is int:
                             hist.total_steps = rec["total_steps"]
-                    elif type(step) is int:
+                    elif runfolder.is_simtau_record(rec):
+                        hist.simtau.add(rec)
+                    elif runfolder.is_step_record(rec):
                         rows.append((step, finite_or_nan(rec.get("loss")), finite_or_nan(rec.get("lr"))))
                     else:
                         hist.skipped += 1
@@ -144,6 +148,7 @@ class StageFollow:
             return False
         hist.series.extend(self.series)
         self.series = hist.series
+        self.simtau.extend_before(hist.simtau)
         self.skipped += hist.skipped
         if self.total_steps is None:
             self.total_steps = hist.total_steps
@@ -248,6 +253,9 @@ class StageFollow:
             if event in runfolder.LIFECYCLE_EVENTS:  # the stage's state may have changed
                 self.structure += 1
             return
+        if runfolder.is_simtau_record(rec):
+            self.simtau.add(rec)
+            return
         if not runfolder.is_step_record(rec):
             self.skipped += 1
             return
@@ -288,6 +296,8 @@ class StageFollow:
                 out.append(a)
                 break
         out.extend(self.log_watch.alerts(self.name))
+        if a := falling_alert(self.simtau.points, self.series.steps, self.series.loss, self.name):
+            out.append(a)
         if state == "running" and self.last_seen is not None:
             idle = max(0.0, self.clock() - self.last_seen)
             if a := A.stall_alert(self.step_clock.median_interval(), idle, self.name):
@@ -327,6 +337,7 @@ class StageFollow:
             tau_by_length=tuple((r["length"], r["label"], r["tau"], r["baseline_tau"])
                                 for r in getattr(status, "tau_by_length", None) or ()),
             chart=chart, chart_version=self.series.version,
+            simtau=tuple(self.simtau.points), simtau_version=self.simtau.version,
             log=tuple(self.log_lines), log_seq=self.log_seq, log_gen=self.log_gen,
             alerts=tuple(self.stage_alerts(state)), notices=tuple(self.notices), notice_count=self.notice_count,
             skipped_lines=self.skipped, history_loaded=self.history_loaded,

@@ -34,6 +34,7 @@ from longspec_cli.tui.views import ProjectView
 from longspec_cli.tui.widgets.alerts_panel import AlertsPanel
 from longspec_cli.tui.widgets.charts import MetricChart
 from longspec_cli.tui.widgets.tau_chart import TauLengthChart
+from longspec_cli.tui.widgets.simtau_chart import SimTauChart
 from longspec_cli.tui.widgets.confirm import ConfirmScreen
 from longspec_cli.tui.widgets.help import HelpScreen
 from longspec_cli.tui.widgets.log_tail import LogTail
@@ -109,6 +110,7 @@ class MonitorApp(App[None]):
                 with Horizontal(id="charts"):
                     yield MetricChart("loss", "loss", id="loss-chart")
                     yield MetricChart("lr", "learning rate", id="lr-chart")
+                    yield SimTauChart(id="simtau-chart")
                     yield TauLengthChart(id="tau-chart")
             with Vertical(id="right"):
                 yield SystemPanel(id="system")
@@ -121,6 +123,7 @@ class MonitorApp(App[None]):
         self.strip = self.query_one(StageStrip)
         self.panel = self.query_one(StagePanel)
         self.charts = [*self.query(MetricChart), self.query_one(TauLengthChart)]
+        self.simtau_chart = self.query_one(SimTauChart)
         self.log_tail = self.query_one(LogTail)
         self.alerts = self.query_one(AlertsPanel)
         self.system = self.query_one(SystemPanel)
@@ -239,6 +242,7 @@ class MonitorApp(App[None]):
         self.panel.show(stage, where)
         for chart in self.charts:
             chart.show(view.stages)
+        self.simtau_chart.show(stage)
         self.log_tail.show(stage)
         self.alerts.show(view.alerts, view.notice, tuple(n for s in view.stages for n in s.notices))
 

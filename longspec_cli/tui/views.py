@@ -33,6 +33,8 @@ class StageView:
     tau_by_length: tuple[tuple[int, str, float, float | None], ...] = ()
     chart: ChartData = ChartData((), (), ())
     chart_version: int = 0
+    simtau: tuple = ()  # simtau_series.SimTauPoint: simulated tau and per-position rates while training
+    simtau_version: int = 0
     log: tuple[str, ...] = ()
     log_seq: int = 0  # see StageFollow.log_seq
     log_gen: int = 0

@@ -3,6 +3,7 @@ the file, explicit mode, and the subprocess deep check (weights_only=True, keys/
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pickle
 
@@ -340,3 +341,58 @@ def test_an_edit_that_does_not_compose_to_the_new_draft_is_rolled_back(project, 
     res = _ns(str(project.root), "--no-deep", "--in", str(inc))
     assert res.exit_code == 1 and "nothingchanged" in panel_text(res.output).replace(" ", "")
     assert _snapshot(project) == before and inc.read_bytes() == inc_before
+
+
+def _best(project, stage: str, weights: bytes, step: int = 20, tau: float = 2.5) -> Path:
+    """best/ and best.json as the trainer writes them."""
+    out = project.out(stage)
+    (out / "best").mkdir(parents=True, exist_ok=True)
+    (out / "best" / "draft_model_weights.pth").write_bytes(weights)
+    (out / "best.json").write_text(json.dumps({
+        "stage": stage, "step": step, "tau": tau, "alpha": [0.6, 0.5, 0.4, 0.3], "gamma": 4,
+        "weights": "best/draft_model_weights.pth", "sha256": hashlib.sha256(weights).hexdigest()}))
+    return out / "best" / "draft_model_weights.pth"
+
+
+def test_best_chains_the_best_draft_records_the_choice_and_status_follows_it(project, drafts):
+    from longspec_cli.core.manifest import load_manifest
+    from longspec_cli.core.status import project_status
+
+    finish_stage(project, "base", drafts["0"])
+    best = _best(project, "base", drafts["1"])
+    res = _ns(str(project.root), "--best", "--no-deep", "--json")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["new"] == str(best) and out["draft_pick"] == "best" and out["manifest_changed"] is True
+    assert load_mapping(project.config("long")).data["draft_model_name_or_path"] == str(best)
+    manifest = load_manifest(project.root)
+    assert manifest.stage("long").draft_pick == "best" and manifest.stage("longcot").draft_pick == "final"
+    assert "draft_pick: best}" in (project.root / "longspec.yaml").read_text()   # the flow entry, one line
+    # long trained from base's best draft: done, not stale; base shows its best draft
+    finish_stage(project, "long", drafts["2"], draft_sha256=hashlib.sha256(drafts["1"]).hexdigest())
+    st = {s.name: s for s in project_status(load_manifest(project.root))}
+    assert st["base"].best_step == 20 and st["base"].best_weights == str(best)
+    assert st["long"].state == "done", st["long"].reasons
+    # plain next-stage goes back to the final draft: the manifest says so, and long is now stale
+    res = _ns(str(project.root), "--to", "long", "--no-deep")
+    assert res.exit_code == 0, res.output
+    assert load_manifest(project.root).stage("long").draft_pick == "final"
+    assert load_mapping(project.config("long")).data["draft_model_name_or_path"] == str(project.weights("base"))
+    st = {s.name: s for s in project_status(load_manifest(project.root))}
+    assert st["long"].state == "stale"
+
+
+def test_best_without_a_best_draft_is_refused_and_changes_nothing(project, drafts):
+    finish_stage(project, "base", drafts["0"])
+    before = _snapshot(project), (project.root / "longspec.yaml").read_bytes()
+    res = _ns(str(project.root), "--to", "long", "--best", "--no-deep")
+    assert res.exit_code == 1 and "no best draft" in panel_text(res.output), res.output
+    no_traceback(res)
+    assert (_snapshot(project), (project.root / "longspec.yaml").read_bytes()) == before
+    # a best draft whose file no longer matches best.json is not one either
+    _best(project, "base", drafts["1"])
+    (project.out("base") / "best" / "draft_model_weights.pth").write_bytes(drafts["2"])
+    res = _ns(str(project.root), "--to", "long", "--best", "--no-deep")
+    assert res.exit_code == 1 and "no best draft" in panel_text(res.output)
+    assert _ns("--config", str(project.config("long")), "--draft", str(project.weights("base")),
+               "--best").exit_code == 2

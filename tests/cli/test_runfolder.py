@@ -211,3 +211,17 @@ def test_last_lifecycle_event_ignores_checkpoints_and_steps(tmp_path):
     R.append_metrics(p, {"event": "resume", "step": 1})
     assert R.last_lifecycle_event(R.RunDir(tmp_path).events())["event"] == "resume"
     assert R.last_lifecycle_event([]) is None
+
+
+def test_a_simtau_line_is_neither_a_step_record_nor_an_event(tmp_path):
+    rec = {"record": "simtau", "step": 10, "total_steps": 40, "tau": 2.1, "alpha": [0.6, 0.5], "gamma": 2}
+    step = {"step": 10, "total_steps": 40, "loss": 1.0, "lr": 1e-4}
+    assert R.is_simtau_record(rec) and not R.is_step_record(rec)
+    assert R.is_step_record(step) and not R.is_simtau_record(step)
+    assert not R.is_simtau_record({**rec, "alpha": "x"}) and not R.is_simtau_record({**rec, "tau": None})
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in (step, rec, step | {"step": 11})) + "\n")
+    log = R.read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in log.steps] == [10, 11] and log.simtau == [rec]
+    rd = R.RunDir(tmp_path)
+    assert rd.last_step_record()["step"] == 11 and rd.last_simtau_record() == rec
+    assert rd.best() is None and rd.best_draft() is None

@@ -231,6 +231,19 @@ def test_replayed_sampler_is_what_the_trainer_draws(n, batch, accum, world, step
     assert trained_indices(n, {**conf, "data": {"on_bad_record": "skip"}}, steps) is None
 
 
+def test_replay_deals_only_the_records_before_the_run_folders_heldout_ones(tmp_path):
+    from longspec.data import ShardedBatchSampler
+    from longspec.prompts import trained_indices
+
+    conf = {"per_gpu_train_batch_size": 4, "gradient_accumulation_steps": 1, "global_batch_size": 4, "seed": 7,
+            "data": {"on_bad_record": "error"}, "output_dir": str(tmp_path)}
+    (tmp_path / "heldout.json").write_text(json.dumps({"start": 24, "records": 6}))
+    sampler, drawn = ShardedBatchSampler(24, 4, 7), set()       # what the trainer draws: records 0..23
+    for b in list(sampler)[:5]:
+        drawn.update(b)
+    assert trained_indices(30, conf, 5) == drawn and max(drawn) < 24
+
+
 def test_stage_prompts_are_held_out_records_cut_at_each_length(tmp_path):
     from longspec.prompts import stage_prompts, trained_indices
 

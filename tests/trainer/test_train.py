@@ -8,6 +8,7 @@ the DeepSpeed files are the shipped templates/deepspeed/*.yaml.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -72,6 +73,8 @@ num_train_epochs: 1
 max_steps: {steps}
 warmup_proportion: 0.1
 save_steps: {save}
+eval_steps: {eval}
+eval_tokens: 1024
 save_total_limit: 2
 logging_steps: 1
 seed: 42
@@ -101,9 +104,9 @@ def write_project(root: Path, tiny: dict, draft: str | None = None) -> Path:
         (conf / "deepspeed" / tpl.name).write_text(text)
     stages = {
         "base": dict(title="Stage 1 (tiny)", deepspeed="zero1_offload_cosine", collator="short_text",
-                     seq=96, lr=3.0e-3, batch=4, ga=1, steps=BASE_STEPS, save=BASE_SAVE, gpus=1),
+                     seq=96, lr=3.0e-3, batch=4, ga=1, steps=BASE_STEPS, save=BASE_SAVE, gpus=1, eval=BASE_SAVE),
         "long": dict(title="Stage 2 (tiny)", deepspeed="zero3_offload_cosine", collator="long_data",
-                     seq=128, lr=1.0e-3, batch=1, ga=2, steps=4, save=2, gpus=2),
+                     seq=128, lr=1.0e-3, batch=1, ga=2, steps=4, save=2, gpus=2, eval=2),
     }
     for stage, values in stages.items():
         text = STAGE_TEXT.format(stage=stage, conf=conf, target=tiny["target"],
@@ -438,6 +441,7 @@ def test_stage1_one_rank_zero1_trains_and_fills_the_run_folder(base_run):
     assert resolved["learning_rate"] == 3.0e-3
     assert resolved["ds_cfg"]["scheduler"]["params"]["total_num_steps"] == BASE_STEPS
     assert resolved["ds_cfg"]["optimizer"]["params"]["lr"] == 3.0e-3
+    assert_simtau(run, list(range(0, BASE_STEPS + 1, BASE_SAVE)))
     # the rank-0 progress line
     assert re.search(rf"\[base\] step {BASE_STEPS}/{BASE_STEPS} loss \d+\.\d+ .* tok/s ETA", proc.stdout)
     # nothing stray next to the project (Hydra run dirs, logs)
@@ -480,6 +484,9 @@ def test_kill_9_mid_stage_then_resume_ends_like_an_uninterrupted_run(base_run, t
     killed_at = max(steps_of(run))
     assert BASE_SAVE + 2 <= killed_at < BASE_STEPS
     no_outputs(run)
+    heldout_before = (run / "heldout.json").read_bytes()
+    best_before = runfolder.RunDir(run).best()
+    assert best_before is not None
 
     proc = launch(conf, "base", 1)
     assert proc.returncode == 0, show(proc)
@@ -492,6 +499,16 @@ def test_kill_9_mid_stage_then_resume_ends_like_an_uninterrupted_run(base_run, t
     assert done["steps"] == reference["steps"] == BASE_STEPS
     assert done["config_sha256"] == runfolder.config_fingerprint(conf / "exp" / "base.yaml", [])
 
+    # the held-out set is the same file, and best/ was kept: beaten only by a higher simulated tau
+    assert (run / "heldout.json").read_bytes() == heldout_before == (base_run["run"] / "heldout.json").read_bytes()
+    recs = runfolder.read_metrics(run / "metrics.jsonl").simtau
+    best = runfolder.RunDir(run).best()
+    assert best["tau"] >= best_before["tau"] and best["tau"] == max(r["tau"] for r in recs)
+    if best["step"] == best_before["step"]:
+        assert best == best_before
+    ref = {r["step"]: r["tau"] for r in runfolder.read_metrics(base_run["run"] / "metrics.jsonl").simtau}
+    assert {r["step"]: r["tau"] for r in recs if r["step"] > resumed_at} == pytest.approx(
+        {s: t for s, t in ref.items() if s > resumed_at}, abs=2e-3)
     # the steps after the resume see the same batches, positions and optimizer state
     ours, theirs = steps_of(run), steps_of(base_run["run"])
     for s in range(resumed_at + 1, BASE_STEPS + 1):
@@ -530,6 +547,8 @@ def test_stage2_two_ranks_zero3_offload_chains_from_stage1_and_every_rank_exits_
     assert done["stage"] == "long" and done["steps"] == 4
     assert done["draft_sha256"] == stage1_done["sha256"]          # the chain is recorded
     assert sorted(steps_of(run)) == [1, 2, 3, 4]
+    # simulated tau under ZeRO-3 on two ranks: both took part, counts reduced; step 0 is stage 1's draft
+    assert_simtau(run, [0, 2, 4])
     start = [e for e in events_of(run) if e["event"] == "start"][0]
     assert start["world_size"] == 2
 
@@ -539,6 +558,23 @@ def test_stage2_two_ranks_zero3_offload_chains_from_stage1_and_every_rank_exits_
     final, initial = load_draft_state(run / "draft_model_weights.pth"), load_draft_state(stage1)
     assert {k: tuple(v.shape) for k, v in final.items()} == {k: tuple(v.shape) for k, v in initial.items()}
     assert any(not (final[k] == initial[k]).all() for k in final)
+
+
+def assert_simtau(run: Path, steps: list[int]) -> list[dict]:
+    """Simulated-tau records at `steps`, over every held-out position (all ranks), and best/ = the best of them."""
+    recs = runfolder.read_metrics(run / "metrics.jsonl").simtau
+    assert [r["step"] for r in recs] == steps
+    held = json.loads((run / "heldout.json").read_text())
+    assert 0 < held["tokens"] <= 1024 and held["records"] == len(held["lengths"])
+    for r in recs:
+        assert r["positions"] == sum(n - 4 for n in held["lengths"] if n > 4)   # every rank's share counted
+        assert len(r["alpha"]) == r["gamma"] == 4 and all(0 <= a <= 1 for a in r["alpha"])
+        assert r["tau"] == pytest.approx(1 + sum(math.prod(r["alpha"][:k]) for k in range(1, 5)), abs=1e-3)
+    best = runfolder.RunDir(run).best()
+    top = max(recs, key=lambda r: r["tau"])
+    assert best is not None and (best["step"], best["tau"]) == (top["step"], top["tau"])
+    assert [r["step"] for r in recs if r["best"]][-1] == top["step"]
+    return recs
 
 
 def assert_half(held: int, whole: int, world: int = 2) -> None:
@@ -597,3 +633,55 @@ def test_zero3_build_partitions_target_and_draft_on_each_rank_with_unchanged_val
         assert_half(*r["draft"])
         assert r["target_differs"] == [] and r["draft_differs"] == []
         assert r["draft_dtype"] == "torch.float32"
+
+
+@pytest.mark.slow
+def test_simulated_tau_agrees_with_evals_chain_tau_on_the_heldout_records(base_run, tiny, tmp_path):
+    """The same held-out records as eval's prompts: simulated tau near eval's greedy chain tau for
+    the trained draft, and both put it above a broken draft (weights 50x the init scale). (Early in
+    a stage a fresh draft can beat the trained one on both measures; bench/bench_simtau.py ranks the
+    demo's checkpoints.)"""
+    import torch
+
+    from longspec import simtau
+    from longspec.checkpoint import load_draft_state, save_draft
+    from longspec.data import read_records
+    from longspec.model import GlideDraft, build_glide
+    from longspec.prepare import ensure
+
+    assert base_run["proc"].returncode == 0, show(base_run["proc"])
+    run = base_run["run"]
+    held = json.loads((run / "heldout.json").read_text())
+    recs = [r for i, (_, r) in enumerate(read_records(Path(tiny["data"]["base"]), "error"))
+            if held["start"] <= i < held["start"] + held["records"]]
+    prompts = tmp_path / "heldout.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    # a broken draft next to the trained one
+    model = build_glide(tiny["target"], sliding_window=512, dtype=torch.float32).eval()
+    torch.manual_seed(7)
+    broken = GlideDraft(model.draft.config)
+    with torch.no_grad():
+        for p in broken.parameters():
+            p.mul_(50.0)
+    fresh = tmp_path / "broken.pth"
+    save_draft(broken.state_dict(), fresh)
+    dataset, _, _ = ensure(Path(tiny["data"]["base"]), tiny["target"],
+                           {"collator": "short_text", "max_seq_length": 96, "on_bad_record": "error"},
+                           workers=1, progress=False)
+    rows = [(dataset[held["start"] + j]["input_ids"][:n].unsqueeze(0), torch.tensor([n]))
+            for j, n in enumerate(held["lengths"])]
+    sim, ev = {}, {}
+    for name, path in (("broken", fresh), ("trained", run / "draft_model_weights.pth")):
+        model.draft.load_state_dict(load_draft_state(path))
+        counts = simtau.agreement_counts(model, rows, 4, torch.device("cpu"))
+        sim[name] = simtau.chain_tau((counts[0] / counts[1]).tolist())
+        proc = subprocess.run([PY, "-m", "longspec.evaluate", str(run), "--draft", str(path), "--prompts", str(prompts),
+                               "--num-prompts", str(len(recs)), "--gamma", "4", "--no-write", "--json"],
+                              capture_output=True, text=True, env=env(), timeout=600)
+        assert proc.returncode == 0, show(proc)
+        ev[name] = json.loads(proc.stdout.strip().splitlines()[-1])["methods"]["chain"]["tau"]
+    # in-process, the trained draft's estimate is the trainer's own record of its last step
+    last = runfolder.RunDir(run).last_simtau_record()
+    assert last["step"] == BASE_STEPS and sim["trained"] == pytest.approx(last["tau"], abs=2e-3)
+    assert sim["trained"] > sim["broken"] and ev["trained"] > ev["broken"], (sim, ev)       # the same order
+    assert 0.6 <= sim["trained"] / ev["trained"] <= 1.4, (sim, ev)

@@ -105,3 +105,23 @@ def test_process_gone_only_for_a_dead_local_process_without_completion():
     assert A.process_gone("long", info, alive=None, complete=False) is None  # another host: unknown
     assert A.process_gone("long", info, alive=False, complete=True) is None
     assert A.process_gone("long", None, alive=False, complete=False) is None
+
+
+def test_simtau_falling_needs_three_falls_in_a_row_while_the_loss_falls():
+    from longspec_cli.tui.simtau_series import SimTauSeries, falling_alert
+
+    s = SimTauSeries()
+    for step, tau in ((0, 1.5), (10, 2.4), (20, 2.2), (30, 2.1)):
+        s.add({"step": step, "tau": tau, "alpha": [0.5]})
+    steps = list(range(1, 41))
+    falling = [5.0 - 0.05 * x for x in steps]
+    rising = [3.0 + 0.05 * x for x in steps]
+    assert falling_alert(s.points, steps, falling, "long") is None            # two falls only
+    s.add({"step": 40, "tau": 2.0, "alpha": [0.5]})
+    a = falling_alert(s.points, steps, falling, "long")
+    assert a is not None and a.kind == "simtau_falling" and "2.40 at step 10 -> 2.00 at step 40" in a.message
+    assert "best/ keeps the draft of step 10" in a.message
+    assert falling_alert(s.points, steps, rising, "long") is None              # loss rising too: no alert
+    # a resume from an earlier checkpoint drops the later points
+    s.add({"step": 20, "tau": 2.5, "alpha": [0.5]})
+    assert [p.step for p in s.points] == [0, 10, 20] and falling_alert(s.points, steps, falling, "long") is None

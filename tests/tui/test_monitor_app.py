@@ -196,3 +196,39 @@ async def test_the_tau_by_length_chart_shows_each_evaluated_stage_and_its_input_
         assert "256" in text and "512" in text and "1k" not in text        # buckets with prompts only
         view = next(s for s in app.view.stages if s.name == "base")
         assert view.tau_by_length == ((256, "256", 2.1, 1.7), (512, "512", 2.8, 1.6))
+
+
+def _simtau(step: int, tau: float, alpha: list[float]) -> str:
+    return json.dumps({"record": "simtau", "step": step, "total_steps": 400, "tau": tau, "alpha": alpha,
+                       "gamma": len(alpha), "positions": 4000, "records": 30, "best": False, "time": 1.0}) + "\n"
+
+
+async def test_simulated_tau_chart_follows_the_stage_and_alerts_when_it_falls_while_loss_falls(running, sampler):
+    app = _app(running, sampler, clock=lambda: RUNNING_CLOCK)
+    async with app.run_test(size=(160, 44)) as pilot:
+        await settle(pilot, app)
+        assert "simulated tau: none yet" in screen_text(app)
+        with open(running / "runs/long/metrics.jsonl", "a") as f:
+            for step, tau in ((0, 1.4), (20, 1.9), (40, 2.3)):
+                a = round((tau - 1) / 2, 3)
+                f.write(_simtau(step, tau, [a, a, a, a]))
+        await wait_until(pilot, lambda: "sim tau 2.30@40 best 2.30@40" in screen_text(app), 5,
+                         "the chart's title")
+        chart = app.simtau_chart
+        assert [p.tau for p in app.view.stages[1].simtau] == [1.4, 1.9, 2.3]
+        assert chart.plotted == ["tau", "a1", "a2", "a3", "a4"]    # tau and the four per-position rates
+        assert not any(a.kind == "simtau_falling" for a in app.view.alerts)
+        # three falls in a row while the step records' loss keeps falling: the alert
+        with open(running / "runs/long/metrics.jsonl", "a") as f:
+            for step, tau in ((60, 2.2), (80, 2.0), (100, 1.8)):
+                f.write(_simtau(step, tau, [0.4, 0.4, 0.4, 0.4]))
+        await wait_until(pilot, lambda: any(a.kind == "simtau_falling" for a in app.view.alerts), 5, "alert")
+        alert = next(a for a in app.view.alerts if a.kind == "simtau_falling")
+        assert "simulated tau fell 3 evaluations in a row (2.30 at step 40 -> 1.80 at step 100)" in alert.message
+        assert "simulated tau fell" in screen_text(app)                 # in the alerts panel
+        # status reads the same record through core.runfolder
+        from longspec_cli.core.status import project_status
+        from longspec_cli.core.manifest import load_manifest
+
+        long = project_status(load_manifest(running))[1]
+        assert (long.sim_tau, long.sim_tau_step) == (1.8, 100)
