@@ -110,6 +110,7 @@ class MonitorApp(App[None]):
                 with Horizontal(id="charts"):
                     yield MetricChart("loss", "loss", id="loss-chart")
                     yield MetricChart("lr", "learning rate", id="lr-chart")
+                with Horizontal(id="tau-charts"):      # acceptance: while training, and by length after eval
                     yield SimTauChart(id="simtau-chart")
                     yield TauLengthChart(id="tau-chart")
             with Vertical(id="right"):
