@@ -133,7 +133,7 @@ def test_yaml_1_1_scalars_read_as_omegaconf_reads_them(project):
 
 def test_every_check_runs_on_the_hydra_composition():
     from longspec_cli.core import validate
-    from longspec_cli.core.hydracompose import Composed
+    from longspec_cli.core.composed import Composed
 
     assert validate.check_target_family in validate.FILE_CHECKS
     assert all(check.__annotations__.get("c") in ("Composed", Composed) for check in validate.FILE_CHECKS)
