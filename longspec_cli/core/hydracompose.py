@@ -71,8 +71,9 @@ def import_hydra_lean() -> None:
     """Let `import hydra.<module>` load that module alone. hydra/__init__.py imports hydra.utils and
     the instantiate machinery (about half of Hydra's import time), which composing never uses: the
     package is registered without running its __init__, with the two names Hydra's own modules take
-    from it (`__version__`, `MissingConfigException`); any other attribute (hydra.main, ...) runs
-    the real __init__ on first use. A process that imported hydra already keeps it as it is."""
+    from it (`__version__`, `MissingConfigException`); `from hydra import <submodule>` imports the
+    submodule, and any other name (hydra.main, hydra.compose, ...) runs the real __init__ on first
+    use. A process that imported hydra already keeps it as it is."""
     import sys
 
     if "hydra" in sys.modules:
@@ -86,6 +87,10 @@ def import_hydra_lean() -> None:
     package = importlib.util.module_from_spec(spec)
 
     def complete(name: str):
+        if name.startswith("__") and name != "__all__":
+            raise AttributeError(name)
+        if importlib.util.find_spec(f"hydra.{name}") is not None:  # `from hydra import version`
+            return importlib.import_module(f"hydra.{name}")
         if package.__dict__.pop("__getattr__", None) is None:
             raise AttributeError(name)
         spec.loader.exec_module(package)
@@ -136,6 +141,7 @@ def hydra_compose(primary: Path, config_name: str, extra: list[Path], overrides:
     @hydra.main hands its task function. Raises Hydra's exceptions."""
     import warnings
 
+    import_hydra_lean()
     from hydra.types import RunMode
     from omegaconf import open_dict
 

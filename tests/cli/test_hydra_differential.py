@@ -27,7 +27,7 @@ from longspec_cli.app import app
 from longspec_cli.core.validate import validate_paths
 
 runner = CliRunner()
-train = pytest.importorskip("longspec.train")
+entry = pytest.importorskip("longspec.entry")
 
 DS = """\
 train_micro_batch_size_per_gpu: ${per_gpu_train_batch_size}
@@ -177,7 +177,7 @@ def trainer_side(proj: Path, overrides: list[str], monkeypatch) -> dict:
         except Exception:
             pass
         try:
-            conf = train.read_config(cfg)
+            conf = entry.read_config(cfg)
             dsconfig.build_ds_config(conf, world_size=1, total_steps=100, warmup_steps=10, on_cpu=False)
         except dsconfig.ConfigError as e:
             got["refused"] = e.problems
@@ -188,7 +188,7 @@ def trainer_side(proj: Path, overrides: list[str], monkeypatch) -> dict:
     monkeypatch.chdir(proj)
     GlobalHydra.instance().clear()
     try:
-        train._make_hydra_entry(task)()
+        entry.make_hydra_entry(task)()
     except SystemExit as e:
         got["exit"] = e.code
     finally:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from longspec import train
+from longspec import entry, train
 from longspec_cli.core import runfolder
 
 REPO = Path(__file__).resolve().parents[2]
@@ -186,11 +186,11 @@ def test_take_local_rank_strips_both_spellings(monkeypatch):
 
 def test_config_dir_is_implied_only_from_a_project_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert train.implied_config_dir(["+exp=base"]) == ["+exp=base"]  # no conf/ here: Hydra says what is missing
+    assert entry.implied_config_dir(["+exp=base"]) == ["+exp=base"]  # no conf/ here: Hydra says what is missing
     (tmp_path / "conf").mkdir()
-    assert train.implied_config_dir(["+exp=base"]) == ["--config-dir", "conf", "+exp=base"]
+    assert entry.implied_config_dir(["+exp=base"]) == ["--config-dir", "conf", "+exp=base"]
     for given in (["--config-dir", "x"], ["--config-dir=x"], ["-cd", "x"]):
-        assert train.implied_config_dir([*given, "+exp=base"]) == [*given, "+exp=base"]
+        assert entry.implied_config_dir([*given, "+exp=base"]) == [*given, "+exp=base"]
 
 
 def test_seeded_generators_repeat_for_the_same_step_and_differ_across_steps():
