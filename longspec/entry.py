@@ -22,7 +22,10 @@ EXIT_ERROR = 1
 
 
 class TrainError(Exception):
-    """A problem the user can fix (bad input): reported as `error: ...`, exit code 1."""
+    """A problem the user can fix (bad input): reported as `error: ...` (and `hint: ...`), exit code 1."""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message + (f"\nhint: {hint}" if hint else ""))
 
 
 def report_error(message: str, hint: str | None = None) -> None:

@@ -39,6 +39,7 @@ from longspec import dsconfig, outputs
 from longspec.entry import (EXIT_ERROR, TrainError, implied_config_dir, make_hydra_entry, read_config,
                             report_error, user_errors)
 from longspec.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED, WATCH
+from longspec.resume import decide_resume, math_config
 from longspec_cli.core import runfolder
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -251,25 +252,6 @@ def _require_logger(name: str) -> None:
                          f"(install it, or set logging.{name}=false)")
 
 
-# ----------------------------------------------------------------------------- resume decision
-
-def decide_resume(out: outputs.RunWriter, origin: Origin, force: bool):
-    """The complete checkpoint to resume from (or None). Refuses checkpoints of another config."""
-    complete = out.complete_checkpoints()
-    if force:
-        return None
-    if not complete:
-        return None
-    newest = complete[-1]
-    theirs = newest.info.get("config_sha256")
-    if origin.config_sha256 and theirs and theirs != origin.config_sha256:
-        raise TrainError(
-            f"{out.dir} holds checkpoints of another config (checkpoint-{newest.step}); resuming "
-            "would mix two runs. Pass force=true to start over (its checkpoints are removed) or "
-            "choose another output_dir")
-    return newest
-
-
 # ----------------------------------------------------------------------------- the run
 
 def run(cfg) -> int:
@@ -284,7 +266,7 @@ def run(cfg) -> int:
                f"{done.get('weights', 'draft_model_weights.pth')}); pass force=true to train it again")
         return 0
     pre = preflight(conf)
-    resume_from = decide_resume(out, origin, conf["force"])
+    resume_from = decide_resume(out, origin, conf)
 
     session = Session(conf, origin, out, pre, started)
     try:
@@ -570,7 +552,8 @@ class Session:
         if self.rank == 0:
             self.out.mark_checkpoint(path, {"step": self.step, "total_steps": self.total,
                                             "loss": self.last_loss, "stage": self.conf["stage"],
-                                            "config_sha256": self.origin.config_sha256})
+                                            "config_sha256": self.origin.config_sha256,
+                                            "math": math_config(self.conf)})
             self.out.rotate(self.conf["save_total_limit"], self.step)
             self.out.event("checkpoint", self.step, path=str(path))
         self.saved = (self.step, state)
