@@ -27,7 +27,6 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,53 +66,12 @@ def stage_location(path: Path) -> tuple[Path, str] | None:
 
 # ---------------------------------------------------------------- Hydra
 
-def import_hydra_lean() -> None:
-    """Let `import hydra.<module>` load that module alone. hydra/__init__.py imports hydra.utils and
-    the instantiate machinery (about half of Hydra's import time), which composing never uses: the
-    package is registered without running its __init__, with the two names Hydra's own modules take
-    from it (`__version__`, `MissingConfigException`); `from hydra import <submodule>` imports the
-    submodule, and any other name (hydra.main, hydra.compose, ...) runs the real __init__ on first
-    use. A process that imported hydra already keeps it as it is."""
-    import sys
-
-    if "hydra" in sys.modules:
-        return
-    spec = importlib.util.find_spec("hydra")
-    if spec is None or spec.origin is None or spec.loader is None:
-        return
-    m = re.search(r"""^__version__\s*=\s*["']([^"']+)["']""", Path(spec.origin).read_text(encoding="utf-8"), re.M)
-    if m is None:  # a layout this does not know: import Hydra whole
-        return
-    package = importlib.util.module_from_spec(spec)
-
-    def complete(name: str):
-        if name.startswith("__") and name != "__all__":
-            raise AttributeError(name)
-        if importlib.util.find_spec(f"hydra.{name}") is not None:  # `from hydra import version`
-            return importlib.import_module(f"hydra.{name}")
-        if package.__dict__.pop("__getattr__", None) is None:
-            raise AttributeError(name)
-        spec.loader.exec_module(package)
-        return getattr(package, name)
-
-    package.__version__ = m.group(1)
-    package.__getattr__ = complete
-    sys.modules["hydra"] = package
-    try:
-        from hydra.errors import MissingConfigException
-    except BaseException:
-        del sys.modules["hydra"]
-        raise
-    package.MissingConfigException = MissingConfigException
-
-
 _HYDRA: dict[tuple, Any] = {}
 
 
 def _hydra(primary: Path, extra: list[Path]):
     """One Hydra per search path in a process: the stages of a project share it (each compose_config
     reads the files afresh: Hydra's file cache lives for one call)."""
-    import_hydra_lean()
     from hydra._internal.hydra import Hydra
     from hydra._internal.utils import create_config_search_path
     from hydra.core.config_search_path import SearchPathQuery
@@ -141,7 +99,6 @@ def hydra_compose(primary: Path, config_name: str, extra: list[Path], overrides:
     @hydra.main hands its task function. Raises Hydra's exceptions."""
     import warnings
 
-    import_hydra_lean()
     from hydra.types import RunMode
     from omegaconf import open_dict
 

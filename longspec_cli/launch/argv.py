@@ -315,9 +315,6 @@ def check_overrides(overrides: list[str]) -> list[str]:
     """Refuse (exit 2) what Hydra's own override parser rejects, and the keys longspec owns, before
     anything starts; returns them unchanged. Whether a key exists and its value fits is decided by
     composing the stage with them (launch/preflight.py)."""
-    from longspec_cli.core.hydracompose import import_hydra_lean
-
-    import_hydra_lean()
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
