@@ -2,15 +2,16 @@
 
     key = entry_key(path, overrides, trainer_conf)    which composition (not yet whether it is current)
     hit = lookup(key)                                 (stamp, Composed) when every file is unchanged
-    stamp = stamp_of(c, conf_root, trainer_conf)      what the composition rests on
+    stamp = stamp_of(c, folders, trainer_conf)        what the composition rests on
     store(key, stamp, c, overrides)                   keep it (in <cache root>/compose/<key>.json)
 
 The key hashes what is not a file: the stage path (as given, absolute, and the working folder when
 relative), the overrides, the trainer's conf folder, the Hydra and OmegaConf versions and the bytes
 of the composing code itself (an upgrade never reads an older result). The stamp holds the content
 hash of every file Hydra read (the stage file, each file of its defaults list, the trainer's primary
-config; when Hydra could not compose, every YAML file of the conf tree) and the names of the YAML
-files in the conf tree and the trainer's conf folder (a new file can change what a search finds).
+config; when Hydra could not compose, every YAML file of the folders it searched) and the names
+of the YAML files in those folders: the conf tree and the trainer's conf folder (a new file can
+change what a search finds). A file checked on its own (a DeepSpeed fragment) rests on itself.
 An edit of one stage file therefore recomposes that stage only.
 
 Not kept: a composition whose files or overrides call a resolver (`${oc.env:...}`, `${now:...}`:
@@ -80,14 +81,14 @@ def _names(folder: Path) -> str:
                            digest_size=16).hexdigest()
 
 
-def stamp_of(c: Composed, conf_root: Path, trainer_conf: Path) -> dict[str, Any]:
-    if c.ok:
-        read = [c.path, *c.files, *c.merge_order, trainer_conf / "config.yaml"]
-    else:
-        read = [c.path, trainer_conf / "config.yaml", *sorted(conf_root.rglob("*.yaml"))]
+def stamp_of(c: Composed, folders: list[Path], trainer_conf: Path) -> dict[str, Any]:
+    """What `c` rests on; `folders` are the ones Hydra searched (their YAML names are listed)."""
+    read = [c.path, *c.files, *c.merge_order, trainer_conf / "config.yaml"]
+    if not c.ok:  # Hydra stopped somewhere: any file of the searched folders may be the one
+        read += [f for d in folders for f in sorted(d.rglob("*.yaml"))]
     files = list(dict.fromkeys(str(f) for f in read))
-    folders = list(dict.fromkeys(str(d) for d in (conf_root, trainer_conf)))
-    return {"files": [[f, _digest(Path(f))] for f in files], "folders": [[d, _names(Path(d))] for d in folders]}
+    return {"files": [[f, _digest(Path(f))] for f in files],
+            "folders": [[str(d), _names(d)] for d in dict.fromkeys(folders)]}
 
 
 def current(stamp: dict[str, Any]) -> bool:

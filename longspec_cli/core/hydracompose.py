@@ -271,12 +271,21 @@ def compose_stage(path: str | os.PathLike, overrides: list[str] | tuple[str, ...
     hit = composecache.lookup(key)
     if hit is None:
         c = _compose_stage(path, overrides)
-        loc = stage_location(path)
-        stamp = composecache.stamp_of(c, loc[0] if loc else path.parent, trainer)
+        stamp = composecache.stamp_of(c, _searched(c, path, trainer), trainer)
         composecache.store(key, stamp, c, overrides)
         hit = (stamp, c)
     _COMPOSED[key] = hit
     return hit[1]
+
+
+def _searched(c: Composed, path: Path, trainer: Path) -> list[Path]:
+    """The folders Hydra searched for `path` (none for a file checked on its own)."""
+    loc = stage_location(path)
+    if c.dialect == S.UPSTREAM:
+        return [loc[0] if loc else path.parent]
+    if c.dialect == S.LONGSPEC and loc is not None:
+        return [loc[0], trainer]
+    return []
 
 
 def _compose_stage(path: Path, overrides: list[str]) -> Composed:
