@@ -180,7 +180,7 @@ def project_disk_problems(path) -> list:
     for p, _, warning in disk_reports(manifest, todo, [], res):
         if warning:
             out.append(Problem("warning", str(p.spec.config), None, "output_dir", f"stage {p.spec.name}: {warning}",
-                               "`longspec run` refuses to start it without --force"))
+                               "`longspec run` refuses to start it; `longspec run --force` starts it anyway"))
     return out
 
 
