@@ -383,14 +383,14 @@ FLAGS: dict = {}
 
 
 def run(cfg) -> dict:
-    from longspec import train
+    from longspec.entry import TrainError, read_config
 
-    conf = train.read_config(cfg)
+    conf = read_config(cfg)
     d = conf["data"]
     target = conf["model_name_or_path"]
     train_file = Path(conf["train_file"])
     if not train_file.is_file():
-        raise train.TrainError(f"train_file = {train_file}: file not found")
+        raise TrainError(f"train_file = {train_file}: file not found")
     workers = FLAGS.get("workers") or default_workers(d["collator"], train_file.stat().st_size)
     world = FLAGS.get("world") or int(os.environ.get("WORLD_SIZE", "1"))
     t0 = time.monotonic()
@@ -403,25 +403,27 @@ def _print_summary(r: dict) -> None:
 
 
 def guarded(cfg) -> int:
-    from longspec import dsconfig, train
+    from longspec import dsconfig
+    from longspec.entry import EXIT_ERROR, report_error, user_errors
+    from longspec.preempt import EXIT_INTERRUPTED
 
     try:
         r = run(cfg)
     except KeyboardInterrupt:
-        return train.EXIT_INTERRUPTED
+        return EXIT_INTERRUPTED
     except Exception as e:
         if isinstance(e, dsconfig.ConfigError):
             message = "invalid stage config:\n" + "\n".join(f"- {p}" for p in e.problems)
-        elif isinstance(e, (*train._user_errors(), CacheWriteError, OSError)):
+        elif isinstance(e, (*user_errors(), CacheWriteError, OSError)):
             message = str(e)
         else:
             raise
         from longspec.data import DataError
 
-        code = EXIT_INPUT if isinstance(e, DataError) and not isinstance(e, CacheWriteError) else train.EXIT_ERROR
+        code = EXIT_INPUT if isinstance(e, DataError) and not isinstance(e, CacheWriteError) else EXIT_ERROR
         if FLAGS.get("json"):
             print(json.dumps({"error": message, "exit_code": code}), flush=True)
-        train.report_error(message)
+        report_error(message)
         return code
     if FLAGS.get("json"):
         r = {k: v for k, v in r.items()}
@@ -433,12 +435,12 @@ def guarded(cfg) -> int:
 def main() -> None:
     """`python -m longspec.prepare [--json] --config-dir DIR/conf +exp=STAGE [overrides]`: the stage
     composed by the trainer's own Hydra entry (same primary config and search path)."""
-    from longspec import train
+    from longspec.entry import implied_config_dir, make_hydra_entry
 
     argv, flags = _take_flags(sys.argv[1:])
     FLAGS.update(flags)
-    sys.argv = [sys.argv[0]] + train.implied_config_dir(argv)
-    train._make_hydra_entry(guarded)()
+    sys.argv = [sys.argv[0]] + implied_config_dir(argv)
+    make_hydra_entry(guarded)()
 
 if __name__ == "__main__":
     main()

@@ -112,7 +112,7 @@ def agreement_counts(module, batches: list[tuple[Any, Any]], gamma: int, device)
     (longspec.model.GlideModel); under ZeRO-3 every rank must pass the same number of batches."""
     import torch
 
-    from longspec.model import gathered
+    from longspec.zero import gathered
 
     counts = torch.zeros(2, gamma, dtype=torch.float64)
     target, draft = module.target, module.draft

@@ -36,16 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from longspec import dsconfig, outputs, simtau
+from longspec.entry import (EXIT_ERROR, TrainError, implied_config_dir, make_hydra_entry, read_config,
+                            report_error, user_errors)
 from longspec.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED, WATCH
+from longspec.resume import decide_resume, math_config
 from longspec_cli.core import runfolder
 
-EXIT_ERROR = 1
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 _progress = {"step": 0, "writing": None}   # the last finished step, the path being written
-
-
-class TrainError(Exception):
-    """A problem the user can fix (bad input): reported as `error: ...`, exit code 1."""
 
 
 # ----------------------------------------------------------------------------- small helpers
@@ -61,16 +59,6 @@ def world_size() -> int:
 def print0(*args: Any) -> None:
     if rank() == 0:
         print(*args, flush=True)
-
-
-def report_error(message: str, hint: str | None = None) -> None:
-    text = "error: " + message.strip().replace("\n", "\n  ")
-    if hint:
-        text += f"\n  hint: {hint}"
-    try:
-        print(text, file=sys.stderr, flush=True)
-    except (OSError, ValueError):    # stderr is train.log on a full disk: nothing more to do
-        pass
 
 
 def take_local_rank(argv: list[str]) -> list[str]:
@@ -117,28 +105,6 @@ class Origin:
     exp_file: Path | None        # DIR/conf/exp/STAGE.yaml
     overrides: list[str]          # command-line overrides that change the config
     config_sha256: str | None
-
-
-def read_config(cfg) -> dict[str, Any]:
-    """The composed DictConfig as plain, resolved data; ConfigError on missing/broken values."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    if "exp" in cfg:
-        # Hydra reads a file's `# @...` header only up to the first other line, comments included.
-        raise dsconfig.ConfigError([
-            "the experiment file was not merged at the top level: `# @package _global_` must be its "
-            "first line (Hydra stops reading the header at the first other comment)"])
-    missing = sorted(OmegaConf.missing_keys(cfg))
-    try:
-        conf = OmegaConf.to_container(cfg, resolve=True)
-    except OmegaConfBaseException as e:
-        raise dsconfig.ConfigError([f"the config cannot be resolved: {str(e).splitlines()[0]}"]) from None
-    problems = [f"{key} must be set (in the stage file or as {key}=...)" for key in missing]
-    problems += [p for p in dsconfig.check_config(conf) if not any(p.startswith(k) for k in missing)]
-    if problems:
-        raise dsconfig.ConfigError(problems)
-    return conf
 
 
 def config_origin() -> Origin:
@@ -286,25 +252,6 @@ def _require_logger(name: str) -> None:
                          f"(install it, or set logging.{name}=false)")
 
 
-# ----------------------------------------------------------------------------- resume decision
-
-def decide_resume(out: outputs.RunWriter, origin: Origin, force: bool):
-    """The complete checkpoint to resume from (or None). Refuses checkpoints of another config."""
-    complete = out.complete_checkpoints()
-    if force:
-        return None
-    if not complete:
-        return None
-    newest = complete[-1]
-    theirs = newest.info.get("config_sha256")
-    if origin.config_sha256 and theirs and theirs != origin.config_sha256:
-        raise TrainError(
-            f"{out.dir} holds checkpoints of another config (checkpoint-{newest.step}); resuming "
-            "would mix two runs. Pass force=true to start over (its checkpoints are removed) or "
-            "choose another output_dir")
-    return newest
-
-
 # ----------------------------------------------------------------------------- the run
 
 def run(cfg) -> int:
@@ -319,7 +266,7 @@ def run(cfg) -> int:
                f"{done.get('weights', 'draft_model_weights.pth')}); pass force=true to train it again")
         return 0
     pre = preflight(conf)
-    resume_from = decide_resume(out, origin, conf["force"])
+    resume_from = decide_resume(out, origin, conf)
 
     session = Session(conf, origin, out, pre, started)
     try:
@@ -612,7 +559,8 @@ class Session:
         if self.rank == 0:
             self.out.mark_checkpoint(path, {"step": self.step, "total_steps": self.total,
                                             "loss": self.last_loss, "stage": self.conf["stage"],
-                                            "config_sha256": self.origin.config_sha256})
+                                            "config_sha256": self.origin.config_sha256,
+                                            "math": math_config(self.conf)})
             self.out.rotate(self.conf["save_total_limit"], self.step)
             self.out.event("checkpoint", self.step, path=str(path))
         self.saved = (self.step, state)
@@ -725,20 +673,6 @@ def _training_config_yaml(conf: dict, ds_conf: dict, origin: Origin) -> str:
 
 # ----------------------------------------------------------------------------- entry point
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    errors: list[type[BaseException]] = [dsconfig.ConfigError, TrainError, simtau.HeldoutChanged]
-    from longspec.checkpoint import DraftLoadError
-
-    errors.append(DraftLoadError)
-    try:
-        from longspec.data import DataError
-
-        errors.append(DataError)
-    except ImportError:
-        pass
-    return tuple(errors)
-
-
 def guarded(cfg) -> int:
     """run() with the error boundary: user mistakes -> one `error:` block, exit 1, no traceback."""
     from longspec_cli.core import diskspace
@@ -750,7 +684,7 @@ def guarded(cfg) -> int:
     except Exception as e:
         if isinstance(e, dsconfig.ConfigError):
             message = "invalid stage config:\n" + "\n".join(f"- {p}" for p in e.problems)
-        elif isinstance(e, _user_errors()):
+        elif isinstance(e, user_errors()):
             message = str(e)
         elif diskspace.is_write_failure(e):
             message = _write_failure(cfg, e)
@@ -799,43 +733,7 @@ def main() -> None:
     _hydra_entry()
 
 
-def implied_config_dir(argv: list[str]) -> list[str]:
-    """Run from a project folder, `--config-dir conf` may be left out. (Not a `hydra.searchpath`
-    entry in config.yaml: Hydra warns on every launch from a folder without conf/.)"""
-    given = any(a in ("--config-dir", "-cd") or a.startswith(("--config-dir=", "-cd=")) for a in argv)
-    return argv if given or not Path("conf").is_dir() else ["--config-dir", "conf", *argv]
-
-
-# The primary config, as an absolute path: the same whether run as a module, a script or imported.
-# The front end (longspec_cli.core.hydracompose) composes with this same file and search path.
-HYDRA_MAIN = {"config_path": str(Path(__file__).resolve().parent / "conf"), "config_name": "config",
-              "version_base": None}
-
-
-def _make_hydra_entry(task=None):
-    """The trainer's @hydra.main entry; `task(cfg)` replaces the training (tests compose with it)."""
-    import hydra
-
-    @hydra.main(**HYDRA_MAIN)
-    def entry(cfg) -> None:
-        code = guarded(cfg) if task is None else task(cfg)
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        except (OSError, ValueError):
-            pass
-        if code == EXIT_PREEMPTED:
-            # Checkpoint, event and logs are written and closed, the process group is gone. A
-            # scheduler's grace period is short: skip the interpreter's teardown of native thread
-            # pools (~4 s on the tiny stage on CPU), which saves nothing.
-            os._exit(code)
-        if code:
-            sys.exit(code)
-
-    return entry
-
-
-_hydra_entry = _make_hydra_entry()
+_hydra_entry = make_hydra_entry(guarded)
 
 if __name__ == "__main__":
     main()

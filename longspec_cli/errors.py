@@ -1,4 +1,5 @@
-"""Typed errors and the one place where the CLI turns them into a message and an exit code.
+"""Typed errors, their exit codes and the one red panel that shows them (the ground floor: no
+longspec_cli module is imported here; `longspec_cli.boundary.run_cli` turns them into an exit).
 
 Exit codes (README, docs/DESIGN.md):
   0 ok, 1 problems found / refused, 2 usage, 3 unreadable input, 4 a training run failed (a full
@@ -7,8 +8,6 @@ Exit codes (README, docs/DESIGN.md):
 
 from __future__ import annotations
 
-import sys
-from typing import Callable, TypeVar
 
 OK = 0
 REFUSED = 1
@@ -17,9 +16,6 @@ BAD_INPUT = 3
 RUN_FAILED = 4
 PREEMPTED = 5
 INTERRUPTED = 130
-
-T = TypeVar("T")
-
 
 class LongspecError(Exception):
     """A mistake or condition a user can act on: printed as a short panel, never a traceback."""
@@ -65,28 +61,3 @@ def print_error(err: LongspecError) -> None:
     Console(stderr=True).print(
         Panel(body, title="[bold red]error[/]", title_align="left", border_style="red", expand=False)
     )
-
-
-def run_cli(fn: Callable[[], T]) -> T:
-    """Run `fn`; a LongspecError or Ctrl-C becomes a message and an exit code."""
-    import typer
-
-    try:
-        return fn()
-    except LongspecError as err:
-        print_error(err)
-        raise typer.Exit(err.exit_code) from None
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        raise typer.Exit(INTERRUPTED) from None
-    except OSError as e:
-        from longspec_cli.core import diskspace
-
-        if not diskspace.is_write_failure(e):
-            raise
-        # One of the CLI's own writes (run.json, train.log, a moved run folder) met a full disk.
-        path = e.filename or "a file"
-        print_error(RunFailed(f"could not write {path}: {e.strerror or e} "
-                              f"({diskspace.human(diskspace.free_bytes(path if e.filename else '.'))} free)",
-                              hint="free some space and run the command again"))
-        raise typer.Exit(RUN_FAILED) from None

@@ -12,7 +12,8 @@ from typing import List, Optional
 
 import typer
 
-from longspec_cli.errors import RefusedError, UsageError, run_cli
+from longspec_cli.boundary import run_cli
+from longspec_cli.errors import RefusedError, UsageError
 from longspec_cli.core.trainerjson import run_trainer_json
 
 EPILOG = """Examples:

@@ -12,7 +12,8 @@ from typing import Optional
 
 import typer
 
-from longspec_cli.errors import RefusedError, UsageError, run_cli
+from longspec_cli.boundary import run_cli
+from longspec_cli.errors import RefusedError, UsageError
 
 EPILOG = """Examples:
 

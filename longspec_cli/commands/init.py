@@ -8,7 +8,8 @@ from typing import List, Optional
 
 import typer
 
-from longspec_cli.errors import UsageError, run_cli
+from longspec_cli.boundary import run_cli
+from longspec_cli.errors import UsageError
 
 EPILOG = """Examples:
 

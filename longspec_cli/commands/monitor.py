@@ -13,7 +13,8 @@ from pathlib import Path
 
 import typer
 
-from longspec_cli.errors import UsageError, run_cli
+from longspec_cli.boundary import run_cli
+from longspec_cli.errors import UsageError
 
 EPILOG = """Examples:
 

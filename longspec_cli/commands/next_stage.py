@@ -7,7 +7,8 @@ from typing import Optional
 
 import typer
 
-from longspec_cli.errors import UsageError, run_cli
+from longspec_cli.boundary import run_cli
+from longspec_cli.errors import UsageError
 
 EPILOG = """Examples:
 

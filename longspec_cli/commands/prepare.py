@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import typer
 
-from longspec_cli.errors import run_cli
+from longspec_cli.boundary import run_cli
 
 EPILOG = """Examples:
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from longspec_cli.errors import run_cli
+from longspec_cli.boundary import run_cli
 
 EPILOG = """Examples:
 

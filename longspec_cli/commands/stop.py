@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from longspec_cli.errors import run_cli
+from longspec_cli.boundary import run_cli
 
 EPILOG = """Examples:
 
@@ -41,7 +41,7 @@ def stop(
         from longspec_cli.core import runfolder
         from longspec_cli.core.manifest import load_manifest
         from longspec_cli.errors import RefusedError, UsageError
-        from longspec_cli.launch import process
+        from longspec_cli.launch import group
 
         if timeout < 0 or save_timeout < 0:
             raise UsageError("--timeout and --save-timeout must be >= 0")
@@ -52,8 +52,8 @@ def stop(
             info, _ = runfolder.read_json(spec.output_dir / runfolder.RUN_INFO)
             if info is None:
                 continue
-            outcome = process.stop_run(spec.output_dir, spec.name, grace_int=timeout, grace_term=timeout,
-                                       say=typer.echo, save=not now, save_timeout=save_timeout)
+            outcome = group.stop_run(spec.output_dir, spec.name, grace_int=timeout, grace_term=timeout,
+                                     say=typer.echo, save=not now, save_timeout=save_timeout)
             if outcome is None:
                 if info.get("returncode") is None:
                     stale.append(f"{spec.name} (run.json pid {info.get('pid')})")

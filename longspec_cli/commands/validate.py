@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import typer
 
-from longspec_cli.errors import run_cli
+from longspec_cli.boundary import run_cli
 
 EPILOG = """Examples:
 
@@ -43,7 +43,7 @@ def validate(
 
         report = validate_paths([str(p) for p in paths], world_size=world_size)
         if not report.count("error"):  # a separate check: the projects' checkpoints vs free disk space
-            from longspec_cli.launch.disk import project_disk_problems
+            from longspec_cli.launch.preflight import project_disk_problems
 
             for p in paths:
                 report.add(project_disk_problems(p))

@@ -123,3 +123,33 @@ def cache_put(name: str, key: str, value: Any, keep: int) -> None:
             atomic_write_json(path, dict(list(cache.items())[-keep:]))
     except (OSError, RefusedError):
         pass
+
+
+def entry_get(folder: str, key: str) -> Any:
+    """The JSON value of the cache entry `key` (a file name, e.g. a hex digest) in the cache folder
+    `folder` under cache_root(), or None. One file per entry: no reader ever parses the others."""
+    try:
+        return json.loads((cache_root() / folder / f"{key}.json").read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
+def entry_put(folder: str, key: str, value: Any, keep: int) -> None:
+    """Write the cache entry `key` atomically (a whole-file replace, so no read-modify-write and no
+    lock); past `keep` entries, the folder's lock is taken to remove the oldest. A read-only, full or
+    busy cache is skipped: the value is computed again next time."""
+    from longspec_cli.errors import RefusedError
+
+    base = cache_root() / folder
+    try:
+        atomic_write_text(base / f"{key}.json", json.dumps(value, separators=(",", ":")))
+        entries = list(base.glob("*.json"))
+        if len(entries) <= keep:
+            return
+        with locked(base, timeout=1.0):
+            entries = sorted(base.glob("*.json"), key=lambda p: p.stat().st_mtime_ns)
+            for old in entries[:-keep]:
+                with contextlib.suppress(FileNotFoundError):
+                    old.unlink()
+    except (OSError, RefusedError):
+        pass

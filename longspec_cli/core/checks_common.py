@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from longspec_cli.core.hydracompose import Composed, Origin
+from longspec_cli.core.composed import Composed, Origin
 from longspec_cli.core.manifest import resolve_path
 from longspec_cli.core.placeholders import has_placeholder
 

@@ -13,7 +13,7 @@ import json
 
 from longspec_cli.core import targets
 from longspec_cli.core.checks_common import CHECKPOINT_RE, Context, abs_path, usable
-from longspec_cli.core.hydracompose import Composed
+from longspec_cli.core.composed import Composed
 from longspec_cli.core.problem import Problem
 
 

@@ -15,6 +15,9 @@ added on top:
 
 An upstream experiment file (the reference trainer's dialect) is composed as its own primary
 config with its conf/ folder on the search path, the way the reference trainer reads it.
+
+The result type is core.composed.Composed; core.composecache keeps each composition until a file
+Hydra read changes, so a warm command imports no Hydra at all.
 """
 
 from __future__ import annotations
@@ -24,17 +27,18 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from longspec_cli.core import composecache
+from longspec_cli.core import hydraproblems as P
 from longspec_cli.core import schema as S
 from longspec_cli.core import yamlio
-from longspec_cli.core.placeholders import scan_placeholders, show_placeholders
+from longspec_cli.core.composed import MISSING, Composed, Origin, read_positions
+from longspec_cli.core.placeholders import scan_placeholders
 from longspec_cli.core.problem import Problem
 
 TRAINER_MODULE = "longspec"
-MISSING = "???"
 _REF = re.compile(r"\$\{([\w.]+)\}")
 
 
@@ -60,144 +64,34 @@ def stage_location(path: Path) -> tuple[Path, str] | None:
     return Path(*parts[:i]), "/".join(parts[i + 1:] + (Path(path).stem,))
 
 
-@dataclass(frozen=True)
-class Origin:
-    file: Path | None  # None: a command-line override
-    line: int | None
-    value: Any = None  # the leaf value written there (None for a mapping)
-    kind: str = "file"  # file | default (the trainer's primary config) | override
-
-    def describe(self, stage_file: Path | None = None) -> str:
-        if self.kind == "override":
-            return "override"
-        where = f"{self.file}:{self.line}" if self.line else str(self.file)
-        return f"trainer default ({where})" if self.kind == "default" else where
-
-
-@dataclass
-class Composed:
-    path: Path  # the stage file
-    ok: bool  # False: Hydra could not compose it (data is what could be read)
-    data: dict[str, Any]  # resolved config (unresolvable leaves keep their `${...}` text)
-    origins: dict[str, list[Origin]]  # dotted key -> every place that set it, last one wins
-    refs: dict[str, list[str]]  # dotted key -> the keys its ${...} refers to
-    files: list[Path]  # every file of the defaults list, stage file first
-    problems: list[Problem] = field(default_factory=list)
-    dialect: str = S.LONGSPEC
-    missing: list[str] = field(default_factory=list)  # keys left `???`
-    merge_order: list[Path] = field(default_factory=list)  # the defaults list's files, first merged first
-    under_exp: bool = False  # the stage landed under `exp.` (its header was not read): reported once
-
-    def get(self, dotted: str, default: Any = None) -> Any:
-        node: Any = self.data
-        for part in dotted.split("."):
-            if isinstance(node, dict) and part in node:
-                node = node[part]
-            else:
-                return default
-        return node
-
-    def has(self, dotted: str) -> bool:
-        sentinel = object()
-        return self.get(dotted, sentinel) is not sentinel
-
-    def origin(self, dotted: str) -> Origin:
-        """Where `dotted` was last set (or its nearest parent; else the stage file)."""
-        parts = dotted.split(".")
-        while parts:
-            hits = self.origins.get(".".join(parts))
-            if hits:
-                return hits[-1]
-            parts.pop()
-        return Origin(self.path, None)
-
-    def problem(self, severity: str, key: str | None, message: str, hint: str | None = None,
-                at: str | None = None) -> Problem:
-        """A Problem at the file:line of `at` (default `key`); keys left to the trainer's defaults
-        or set on the command line are reported against the stage file."""
-        o = self.origin(at or key) if (at or key) else Origin(self.path, None)
-        file, line = (o.file, o.line) if o.kind == "file" else (self.path, None)
-        return Problem(severity, str(file), line, key, show_placeholders(message),
-                       show_placeholders(hint) if hint else hint)
-
-
-# ---------------------------------------------------------------- reading one file with positions
-
-_DOCS: dict[tuple, tuple[Any, list[Problem], str]] = {}
-
-
-def read_positions(path: Path) -> tuple[Any, list[Problem], str]:
-    """(ruamel mapping or None, problems, parseable text) of one YAML file, cached by mtime."""
-    try:
-        st = path.stat()
-        key = (str(path), st.st_mtime_ns, st.st_size)
-    except OSError:
-        key = None
-    if key is not None and key in _DOCS:
-        return _DOCS[key]
-    try:
-        text = yamlio.read_text(path)
-    except yamlio.YamlError as e:
-        line = e.line
-        try:
-            raw = path.read_bytes()
-            if line is None and b"\x00" in raw:
-                line = raw[: raw.index(b"\x00")].count(b"\n") + 1
-        except OSError:
-            pass
-        out = (None, [Problem("error", str(path), line or 1, None, e.reason, e.hint)], "")
-    else:
-        text, problems = scan_placeholders(text, path)
-        problems = [p for p in problems if "`???`" not in p.message]  # OmegaConf decides: see missing
-        try:
-            node = yamlio.parse(text, path)
-        except yamlio.YamlError as e:
-            problems.append(Problem("error", str(path), e.line or 1, None, e.reason, e.hint))
-            node = None
-        if node is None and not problems:
-            problems.append(Problem("error", str(path), 1, None, "empty file: expected a mapping of config keys",
-                                    "a config file is `key: value` lines at the top level"))
-        elif node is not None and not isinstance(node, dict):
-            kind = "a list" if isinstance(node, list) else f"a {type(node).__name__}"
-            problems.append(Problem("error", str(path), 1, None,
-                                    f"the top level is {kind}; expected a mapping of keys to values",
-                                    "a config file is `key: value` lines at the top level"))
-            node = None
-        out = (node, problems, text)
-    if key is not None:
-        _DOCS[key] = out
-    return out
-
-
-def header_line(path: Path) -> tuple[int | None, bool]:
-    """(line of a `# @package` header, whether Hydra reads it: only before any other comment)."""
-    try:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError:
-        return None, False
-    for n, line in enumerate(lines, 1):
-        s = line.strip()
-        if re.match(r"#\s*@package\b", s):
-            return n, n == 1 or all(not x.strip() for x in lines[:n - 1])
-        if s and not s.startswith("#"):
-            break
-    return None, False
-
-
 # ---------------------------------------------------------------- Hydra
 
+_HYDRA: dict[tuple, Any] = {}
+
+
 def _hydra(primary: Path, extra: list[Path]):
+    """One Hydra per search path in a process: the stages of a project share it (each compose_config
+    reads the files afresh: Hydra's file cache lives for one call)."""
     from hydra._internal.hydra import Hydra
     from hydra._internal.utils import create_config_search_path
-    from hydra.core.global_hydra import GlobalHydra
     from hydra.core.config_search_path import SearchPathQuery
+    from hydra.core.global_hydra import GlobalHydra
+
+    key = (str(primary), *map(str, extra))
+    if key in _HYDRA:
+        if GlobalHydra.instance().hydra is not _HYDRA[key][0]:  # someone else set Hydra up since
+            GlobalHydra.instance().clear()
+            GlobalHydra.instance().initialize(_HYDRA[key][0])
+        return _HYDRA[key]
 
     search_path = create_config_search_path(str(primary))
     for d in extra:  # what `--config-dir D` does in hydra.main
         search_path.prepend(provider="command-line", path=f"file://{os.path.abspath(d)}",
                             anchor=SearchPathQuery(provider="schema"))
+    _HYDRA.clear()
     GlobalHydra.instance().clear()
-    return Hydra.create_main_hydra2(task_name="train", config_search_path=search_path), search_path
+    _HYDRA[key] = Hydra.create_main_hydra2(task_name="train", config_search_path=search_path), search_path
+    return _HYDRA[key]
 
 
 def hydra_compose(primary: Path, config_name: str, extra: list[Path], overrides: list[str]):
@@ -285,7 +179,6 @@ def _provenance(c: Composed, defaults: list, dirs: list[Path], shadow: dict[Path
 # ---------------------------------------------------------------- resolving leaf by leaf
 
 def _resolve(c: Composed, cfg) -> None:
-    from longspec_cli.core import hydraproblems as P
     from omegaconf import DictConfig, ListConfig, OmegaConf
     from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
@@ -360,45 +253,42 @@ def _needs_shadow(conf: Path) -> bool:
 
 # ---------------------------------------------------------------- entry point
 
-_COMPOSED: dict[tuple, tuple[tuple, Composed]] = {}
-
-
-def _stamp(path: Path) -> tuple:
-    """Every YAML file that can take part in composing `path` (its conf tree, the trainer's
-    config.yaml), with a hash of its bytes: a composition is reused while this is unchanged
-    (bytes, not mtimes: two quick same-size edits can share an mtime)."""
-    import hashlib
-
-    loc = stage_location(path)
-    root = loc[0] if loc else path.parent
-    files = [path, trainer_conf_dir() / "config.yaml", *sorted(root.rglob("*.yaml"))]
-    out = []
-    for f in files:
-        try:
-            out.append((str(f), hashlib.blake2b(f.read_bytes(), digest_size=16).digest()))
-        except OSError:
-            out.append((str(f), None))
-    return tuple(out)
+_COMPOSED: dict[str, tuple[dict, Composed]] = {}
 
 
 def compose_stage(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Composed:
     """Compose the stage file at `path` as the trainer would (upstream files as the reference
-    trainer would). Never raises for bad input: see Composed.problems. A process composes a stage
-    once while none of its files changes (status, next-stage and run ask several times), so the
-    result is shared: read it, do not change it."""
-    key = (os.path.abspath(path), tuple(overrides))
-    stamp = _stamp(Path(path))
+    trainer would). Never raises for bad input: see Composed.problems. A stage is composed once
+    while none of the files Hydra read changes: within a process (status, next-stage and run ask
+    several times) and across commands (core.composecache). The result is shared: read it, do not
+    change it."""
+    path, overrides = Path(path), list(overrides)
+    trainer = trainer_conf_dir()
+    key = composecache.entry_key(path, overrides, trainer)
     hit = _COMPOSED.get(key)
-    if hit is not None and hit[0] == stamp:
+    if hit is not None and composecache.current(hit[0]):
         return hit[1]
-    c = _compose_stage(Path(path), list(overrides))
-    _COMPOSED[key] = (stamp, c)
-    return c
+    hit = composecache.lookup(key)
+    if hit is None:
+        c = _compose_stage(path, overrides)
+        stamp = composecache.stamp_of(c, _searched(c, path, trainer), trainer)
+        composecache.store(key, stamp, c, overrides)
+        hit = (stamp, c)
+    _COMPOSED[key] = hit
+    return hit[1]
+
+
+def _searched(c: Composed, path: Path, trainer: Path) -> list[Path]:
+    """The folders Hydra searched for `path` (none for a file checked on its own)."""
+    loc = stage_location(path)
+    if c.dialect == S.UPSTREAM:
+        return [loc[0] if loc else path.parent]
+    if c.dialect == S.LONGSPEC and loc is not None:
+        return [loc[0], trainer]
+    return []
 
 
 def _compose_stage(path: Path, overrides: list[str]) -> Composed:
-    from longspec_cli.core import hydraproblems as P
-
     node, problems, _ = read_positions(path)
     c = Composed(path=path, ok=False, data={}, origins={}, refs={}, files=[path], problems=list(problems))
     if node is None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from longspec_cli.core import schema as S
 from longspec_cli.core import yamlio
-from longspec_cli.core.hydracompose import MISSING, Composed, header_line, read_positions
+from longspec_cli.core.composed import MISSING, Composed, header_line, read_positions
 from longspec_cli.core.problem import Problem
 
 HEADER = "# @package _global_"

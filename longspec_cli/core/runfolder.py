@@ -39,11 +39,12 @@ _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 # Overrides that say where or how to run, or what to measure, not what to train: left out of the
 # fingerprint (so a resume accepts them). eval_tokens is not one: it sets the held-out records.
-ORIGIN_ONLY_KEYS = frozenset({"exp", "output_dir", "force", "eval_steps", "eval_gamma"})
+ORIGIN_ONLY_KEYS = frozenset({"exp", "output_dir", "force", "resume_schedule", "eval_steps", "eval_gamma"})
 
 
 def config_overrides(overrides: Iterable[str]) -> list[str]:
-    """The overrides that change what is trained (`+exp=`, `output_dir=`, `force=` dropped)."""
+    """The overrides that change what is trained (`+exp=`, `output_dir=`, `force=`, `resume_schedule=`
+    dropped)."""
     return [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in ORIGIN_ONLY_KEYS]
 
 

@@ -143,6 +143,7 @@ LONGSPEC_SPEC: dict[str, Spec] = {
     "output_dir": STR,
     "precision": _enum(*PRECISIONS),
     "force": BOOL,
+    "resume_schedule": _enum("refuse", "stretch"),
     "data": Spec("map", children={
         "collator": _enum(*COLLATORS),
         "max_seq_length": _pos_int(),

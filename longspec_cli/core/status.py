@@ -103,7 +103,7 @@ def stage_status(spec: StageSpec, upstream: StageStatus | None = None, root: Pat
     rd = runfolder.RunDir(spec.output_dir)
     st = StageStatus(name=spec.name, config=str(spec.config), output_dir=str(spec.output_dir),
                      state="pending", draft_from=spec.draft_from)
-    st.draft_model_name_or_path = _draft_key(spec.config, st.reasons)
+    st.draft_model_name_or_path = _draft_key(spec, st.reasons)
 
     complete = rd.stage_complete()
     if rd.stage_complete_error:
@@ -157,11 +157,13 @@ def stage_status(spec: StageSpec, upstream: StageStatus | None = None, root: Pat
     return st
 
 
-def _draft_key(config: Path, notes: list[str]) -> str | None:
-    """The draft path the trainer will read: the composed value, not the stage file's text."""
+def _draft_key(spec: StageSpec, notes: list[str]) -> str | None:
+    """The draft path the trainer will read: the composed value (with the output_dir `run` passes,
+    the one composition of the stage every verb shares), not the stage file's text."""
     from longspec_cli.core.chain import composed_draft
+    from longspec_cli.core.hydracompose import stage_overrides
 
-    v, problem = composed_draft(config)
+    v, problem = composed_draft(spec.config, stage_overrides(spec.output_dir, []))
     if problem:
         notes.append(f"config unreadable (it does not compose): {problem}")
     return None if v is None else str(v)

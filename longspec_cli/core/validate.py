@@ -28,7 +28,8 @@ from longspec_cli.core.checks_stage import (check_batch, check_duplicates, check
                                             check_required, check_seq_len, check_types, check_unknown_keys,
                                             check_zero, global_batch, zero_stage)
 from longspec_cli.core.checks_target import check_target_family
-from longspec_cli.core.hydracompose import Composed, compose_stage, stage_overrides
+from longspec_cli.core.composed import Composed
+from longspec_cli.core.hydracompose import compose_stage, stage_overrides
 from longspec_cli.core.problem import Problem
 from longspec_cli.errors import LongspecError, UsageError
 

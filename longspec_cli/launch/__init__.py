@@ -4,11 +4,14 @@ process group, tee its output, chain the stages.
 Nothing here imports torch, deepspeed, transformers or hydra: the launcher is a separate process.
 
   argv.py      the DeepSpeed launcher argv (GPUs, nodes, CPU fallback) and override checks
-  process.py   process group, signals, run.json, train.log tee, progress line, stop
+  process.py   one launch: run.json, train.log tee, progress line, Ctrl-C
+  group.py     the launch's process group: training ranks, save request, stop escalation, `stop`
   plan.py      what each stage will do (skip/start/resume/rerun) and the run's types
   preflight.py overrides, validation, memory and disk estimates before anything starts
   execute.py   one stage or `--all`: the launches, chaining, resume (`run_request`)
   gate.py      --eval/--gate: measure a finished stage, the quality gate
   slurm.py     the sbatch script (one DeepSpeed per-node launcher per SLURM task)
   memory.py    per-GPU memory estimate of a stage (pure arithmetic)
+  disk.py      disk estimate of a stage's checkpoints and weights (pure arithmetic)
+  prepare.py   a stage's prepared-data state with overrides; `python -m longspec.prepare` runs
 """

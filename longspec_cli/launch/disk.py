@@ -83,34 +83,3 @@ def estimate(shape: StageShape, output_dir, *, save_total_limit: int | None, max
     return DiskEstimate(checkpoint=checkpoint_bytes(shape),
                         kept=checkpoints_kept(save_total_limit, max_steps, save_steps),
                         final=final, free=free_bytes(output_dir), where=str(output_dir))
-
-
-def project_disk_problems(path) -> list:
-    """`validate`: one warning per stage of the project at `path` (a folder or its longspec.yaml)
-    whose checkpoints and final weights would not fit on its output_dir's disk. Stages that are
-    done are left out; a path that is not a project gives none (validate reports it otherwise)."""
-    from pathlib import Path
-
-    from longspec_cli.core.manifest import load_manifest
-    from longspec_cli.core.problem import Problem
-    from longspec_cli.core.status import project_status
-    from longspec_cli.errors import LongspecError
-    from longspec_cli.launch import argv as A
-    from longspec_cli.launch import plan, preflight
-
-    path = Path(path)
-    if not (path / "longspec.yaml").is_file() and path.name != "longspec.yaml":
-        return []
-    try:
-        manifest = load_manifest(path)
-        states = {s.name: s.state for s in project_status(manifest)}
-    except LongspecError:
-        return []
-    todo = [plan.StagePlan(spec, "start") for spec in manifest.stages if states.get(spec.name) != "done"]
-    res = A.Resources(cpu=True, ranks_per_node=max(1, manifest.launch.gpus), nodes=max(1, manifest.launch.nodes))
-    out = []
-    for p, _, warning in preflight.disk_reports(manifest, todo, [], res):
-        if warning:
-            out.append(Problem("warning", str(p.spec.config), None, "output_dir", f"stage {p.spec.name}: {warning}",
-                               "`longspec run` refuses to start it without --force"))
-    return out

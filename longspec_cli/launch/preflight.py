@@ -2,6 +2,7 @@
 
     preflight overrides (exit 2), validation of the stages that will run (errors refuse unless
               --force), the placement, the memory and disk estimates (warnings; a full disk refuses)
+    project_disk_problems  `validate`'s disk check of a project's stages that are not done
 """
 
 from __future__ import annotations
@@ -154,6 +155,32 @@ def disk_reports(manifest: Manifest, todo: list[StagePlan], overrides: list[str]
 
             est = replace(est, free=max(0, est.free - before))
         out.append((p, est.line() + (" (after the earlier stages)" if before else ""), est.warning()))
+    return out
+
+
+def project_disk_problems(path) -> list:
+    """`validate`: one warning per stage of the project at `path` (a folder or its longspec.yaml)
+    whose checkpoints and final weights would not fit on its output_dir's disk. Stages that are
+    done are left out; a path that is not a project gives none (validate reports it otherwise)."""
+    from longspec_cli.core.manifest import load_manifest
+    from longspec_cli.core.problem import Problem
+    from longspec_cli.core.status import project_status
+
+    path = Path(path)
+    if not (path / "longspec.yaml").is_file() and path.name != "longspec.yaml":
+        return []
+    try:
+        manifest = load_manifest(path)
+        states = {s.name: s.state for s in project_status(manifest)}
+    except LongspecError:
+        return []
+    todo = [StagePlan(spec, "start") for spec in manifest.stages if states.get(spec.name) != "done"]
+    res = A.Resources(cpu=True, ranks_per_node=max(1, manifest.launch.gpus), nodes=max(1, manifest.launch.nodes))
+    out = []
+    for p, _, warning in disk_reports(manifest, todo, [], res):
+        if warning:
+            out.append(Problem("warning", str(p.spec.config), None, "output_dir", f"stage {p.spec.name}: {warning}",
+                               "`longspec run` refuses to start it; `longspec run --force` starts it anyway"))
     return out
 
 

@@ -27,7 +27,7 @@ from longspec_cli.app import app
 from longspec_cli.core.validate import validate_paths
 
 runner = CliRunner()
-train = pytest.importorskip("longspec.train")
+entry = pytest.importorskip("longspec.entry")
 
 DS = """\
 train_micro_batch_size_per_gpu: ${per_gpu_train_batch_size}
@@ -177,7 +177,7 @@ def trainer_side(proj: Path, overrides: list[str], monkeypatch) -> dict:
         except Exception:
             pass
         try:
-            conf = train.read_config(cfg)
+            conf = entry.read_config(cfg)
             dsconfig.build_ds_config(conf, world_size=1, total_steps=100, warmup_steps=10, on_cpu=False)
         except dsconfig.ConfigError as e:
             got["refused"] = e.problems
@@ -188,7 +188,7 @@ def trainer_side(proj: Path, overrides: list[str], monkeypatch) -> dict:
     monkeypatch.chdir(proj)
     GlobalHydra.instance().clear()
     try:
-        train._make_hydra_entry(task)()
+        entry.make_hydra_entry(task)()
     except SystemExit as e:
         got["exit"] = e.code
     finally:
@@ -250,3 +250,58 @@ def test_cfg_job_resolve_of_the_real_trainer_equals_config_and_warns_nothing(tmp
                                   "--json"])
         assert json.loads(res.stdout)["config"] == printed
         assert printed["seed"] == 8 and printed["draft_model_name_or_path"].endswith("other.pth")
+
+
+# ---------------------------------------------------------------- the composition cache
+
+@pytest.fixture
+def compose_count(tmp_path, monkeypatch):
+    """An empty cache root, no composition remembered in this process, and a count of real compositions."""
+    from longspec_cli.core import hydracompose as H
+
+    monkeypatch.setenv("LONGSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(H, "_COMPOSED", {})
+    calls: list[Path] = []
+    real = H._compose_stage
+
+    def counted(path, overrides):
+        calls.append(Path(path))
+        return real(path, overrides)
+
+    monkeypatch.setattr(H, "_compose_stage", counted)
+    return calls
+
+
+@pytest.mark.parametrize("name,stage,extra,overrides,_", SHAPES, ids=[s[0] for s in SHAPES])
+def test_a_cached_composition_is_exactly_the_fresh_one(name, stage, extra, overrides, _, tmp_path, assets,
+                                                       compose_count, monkeypatch):
+    from longspec_cli.core import composecache
+    from longspec_cli.core import hydracompose as H
+
+    proj = project(tmp_path, assets, stage, extra)
+    path, args = proj / "conf" / "exp" / "s.yaml", [out_dir(proj), *overrides]
+    fresh = H.compose_stage(path, args)
+    monkeypatch.setattr(H, "_COMPOSED", {})  # as a new command would: only the cache folder remembers
+    again = H.compose_stage(path, args)
+    resolver = any(composecache._RESOLVER.search(t) for t in [stage, *extra.values(), *args])
+    assert len(compose_count) == (2 if resolver else 1)  # a resolver's value is not the files' alone
+    assert again == fresh
+    assert again.to_json() == fresh.to_json()
+
+
+def test_an_edited_stage_file_recomposes_that_stage_only(tmp_path, assets, compose_count, monkeypatch):
+    from longspec_cli.core import hydracompose as H
+
+    proj = project(tmp_path, assets, CLEAN, {"conf/exp/t.yaml": CLEAN.replace("stage: s", "stage: t")})
+    s, t = proj / "conf" / "exp" / "s.yaml", proj / "conf" / "exp" / "t.yaml"
+    for p in (s, t):
+        H.compose_stage(p, [out_dir(proj)])
+    s.write_text(s.read_text().replace("learning_rate: 5.0e-4", "learning_rate: 1.0e-4"))
+    monkeypatch.setattr(H, "_COMPOSED", {})
+    assert H.compose_stage(s, [out_dir(proj)]).get("learning_rate") == 1.0e-4
+    assert H.compose_stage(t, [out_dir(proj)]).get("learning_rate") == 5.0e-4
+    assert compose_count == [s, t, s]  # t came from the cache
+    (proj / "conf" / "deepspeed" / "zero2.yaml").write_text(DS)  # a new file may change what Hydra finds
+    monkeypatch.setattr(H, "_COMPOSED", {})
+    H.compose_stage(t, [out_dir(proj)])
+    assert compose_count == [s, t, s, t]

@@ -133,7 +133,32 @@ def test_yaml_1_1_scalars_read_as_omegaconf_reads_them(project):
 
 def test_every_check_runs_on_the_hydra_composition():
     from longspec_cli.core import validate
-    from longspec_cli.core.hydracompose import Composed
+    from longspec_cli.core.composed import Composed
 
     assert validate.check_target_family in validate.FILE_CHECKS
     assert all(check.__annotations__.get("c") in ("Composed", Composed) for check in validate.FILE_CHECKS)
+
+
+def _probe(code: str, *args: str) -> list[str]:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(root)}, cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.split()
+
+
+def test_a_second_status_reads_the_compositions_and_imports_no_hydra(project):
+    code = ("import sys\nfrom longspec_cli.app import app\ntry:\n    app(['status', sys.argv[1]])\n"
+            "except SystemExit:\n    pass\nprint('LOADED', 'hydra' in sys.modules, 'omegaconf' in sys.modules)\n")
+    first = _probe(code, str(project.root))
+    assert first[first.index("LOADED") + 1:] == ["True", "True"]
+    second = _probe(code, str(project.root))
+    assert second[second.index("LOADED") + 1:] == ["False", "False"]
+    edit(project.config("long"), "learning_rate: 5.0e-4", "learning_rate: 1.0e-4")
+    third = _probe(code, str(project.root))
+    assert third[third.index("LOADED") + 1:] == ["True", "True"]  # the edited stage is composed again

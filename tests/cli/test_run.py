@@ -23,6 +23,7 @@ import pytest
 from longspec_cli.core import liveness, runfolder
 from longspec_cli.errors import RefusedError
 from longspec_cli.launch import argv as A
+from longspec_cli.launch import group as G
 from longspec_cli.launch import process as P
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -246,13 +247,13 @@ def test_a_stale_run_json_is_never_signalled(tmp_path):
         info = {"pid": other.pid, "pgid": other.pid, "host": socket.gethostname(), "argv": ["deepspeed"],
                 "started_at": "2020-01-01T00:00:00Z", "proc_start": real_start - 1, "overrides": []}
         (out / "run.json").write_text(json.dumps(info))  # the pid was reused by `other`
-        assert P.stop_run(out, "base", grace_int=0.5, grace_term=0.5) is None
+        assert G.stop_run(out, "base", grace_int=0.5, grace_term=0.5) is None
         res = subprocess.run([*LONGSPEC, "stop", str(proj), "base", "--timeout", "1"], capture_output=True,
                              text=True, cwd=ROOT, timeout=60)
         assert res.returncode == 1 and "stale run.json left alone" in res.stderr
         (out / "run.json").write_text(json.dumps({**info, "proc_start": real_start, "host": "elsewhere"}))
         with pytest.raises(RefusedError, match="host elsewhere"):
-            P.stop_run(out, "base", grace_int=0.5, grace_term=0.5)
+            G.stop_run(out, "base", grace_int=0.5, grace_term=0.5)
         time.sleep(0.3)
         assert other.poll() is None and alive(other.pid)
     finally:

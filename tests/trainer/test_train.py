@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from longspec import train
+from longspec import entry, train
 from longspec_cli.core import runfolder
 
 REPO = Path(__file__).resolve().parents[2]
@@ -189,11 +189,11 @@ def test_take_local_rank_strips_both_spellings(monkeypatch):
 
 def test_config_dir_is_implied_only_from_a_project_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert train.implied_config_dir(["+exp=base"]) == ["+exp=base"]  # no conf/ here: Hydra says what is missing
+    assert entry.implied_config_dir(["+exp=base"]) == ["+exp=base"]  # no conf/ here: Hydra says what is missing
     (tmp_path / "conf").mkdir()
-    assert train.implied_config_dir(["+exp=base"]) == ["--config-dir", "conf", "+exp=base"]
+    assert entry.implied_config_dir(["+exp=base"]) == ["--config-dir", "conf", "+exp=base"]
     for given in (["--config-dir", "x"], ["--config-dir=x"], ["-cd", "x"]):
-        assert train.implied_config_dir([*given, "+exp=base"]) == [*given, "+exp=base"]
+        assert entry.implied_config_dir([*given, "+exp=base"]) == [*given, "+exp=base"]
 
 
 def test_seeded_generators_repeat_for_the_same_step_and_differ_across_steps():
@@ -205,14 +205,14 @@ def test_seeded_generators_repeat_for_the_same_step_and_differ_across_steps():
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
-def make_checkpoint(run: Path, step: int, complete: bool = True, sha: str = "cfg") -> Path:
+def make_checkpoint(run: Path, step: int, complete: bool = True, sha: str = "cfg", math: dict | None = None) -> Path:
     from longspec import outputs
 
     writer = outputs.RunWriter(run)
     path = writer.prepare_checkpoint(step)
     (path / "draft_model_weights.pth").write_bytes(b"x")
     if complete:
-        writer.mark_checkpoint(path, {"step": step, "config_sha256": sha})
+        writer.mark_checkpoint(path, {"step": step, "config_sha256": sha, **({"math": math} if math else {})})
     return path
 
 
@@ -227,19 +227,56 @@ def test_rotation_keeps_the_newest_complete_checkpoints_and_drops_crash_leftover
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-10", "checkpoint-15", "checkpoint-20"]
 
 
+RESUME_CONF = {"stage": "base", "force": False, "resume_schedule": "refuse", "learning_rate": 3e-3,
+               "max_steps": 30, "num_train_epochs": 1, "seed": 42, "save_steps": 10, "save_total_limit": 2,
+               "logging_steps": 1, "logging": {"wandb": False}, "kernels": "auto", "eval_every": 5,
+               "data": {"collator": "short_text", "max_seq_length": 96}, "ds_cfg": {"steps_per_print": 10}}
+
+
 def test_resume_picks_the_newest_complete_checkpoint_and_refuses_another_config(tmp_path):
-    from longspec import outputs
+    from longspec import outputs, resume
 
     writer = outputs.RunWriter(tmp_path)
     origin = train.Origin(exp_file=None, overrides=[], config_sha256="cfg")
-    assert train.decide_resume(writer, origin, force=False) is None
-    make_checkpoint(tmp_path, 10)
+    conf = dict(RESUME_CONF)
+    assert resume.decide_resume(writer, origin, conf) is None
+    make_checkpoint(tmp_path, 10, math=resume.math_config(conf))
     make_checkpoint(tmp_path, 20, complete=False)           # killed while saving
-    assert train.decide_resume(writer, origin, force=False).step == 10
-    make_checkpoint(tmp_path, 30, sha="other")
-    with pytest.raises(train.TrainError, match="another config.*force=true"):
-        train.decide_resume(writer, origin, force=False)
-    assert train.decide_resume(writer, origin, force=True) is None
+    assert resume.decide_resume(writer, origin, conf).step == 10
+    make_checkpoint(tmp_path, 30, sha="other")               # saved before checkpoints named their math keys
+    with pytest.raises(entry.TrainError, match="another config") as e:
+        resume.decide_resume(writer, origin, conf)
+    assert "force=true starts over" in str(e.value)
+    assert resume.decide_resume(writer, origin, {**conf, "force": True}) is None
+
+
+def test_only_math_keys_block_a_resume_and_a_longer_schedule_needs_stretch(tmp_path):
+    from longspec import outputs, resume
+
+    writer = outputs.RunWriter(tmp_path)
+    origin = train.Origin(exp_file=None, overrides=[], config_sha256="now")
+    conf = dict(RESUME_CONF)
+    # saving, logging, tracking, eval, kernels: the checkpoint resumes
+    saved = {**conf, "save_steps": 5, "save_total_limit": 9, "logging_steps": 3, "logging": {"wandb": True},
+             "kernels": "reference", "eval_every": 50, "ds_cfg": {"steps_per_print": 1}}
+    make_checkpoint(tmp_path, 10, sha="before", math=resume.math_config(saved))
+    assert resume.decide_resume(writer, origin, conf).step == 10
+    # a math key: refused, naming the key, its two values; the checkpoints stay
+    make_checkpoint(tmp_path, 20, sha="before", math=resume.math_config({**conf, "learning_rate": 1e-3,
+                                                                         "data": {**conf["data"], "max_seq_length": 64}}))
+    with pytest.raises(entry.TrainError, match=r"data.max_seq_length 64 -> 96, learning_rate 0.001 -> 0.003") as e:
+        resume.decide_resume(writer, origin, conf)
+    assert "checkpoints are kept" in str(e.value) and (tmp_path / "checkpoint-20").is_dir()
+    # the schedule's length: refused unless resume_schedule=stretch, which says what the lr does
+    make_checkpoint(tmp_path, 30, sha="before", math=resume.math_config({**conf, "max_steps": 10}))
+    with pytest.raises(entry.TrainError, match=r"schedule's length changed \(max_steps 10 -> 30\)") as e:
+        resume.decide_resume(writer, origin, conf)
+    assert "resume_schedule=stretch" in str(e.value) and "learning rate continues on the new curve" in str(e.value)
+    assert resume.decide_resume(writer, origin, {**conf, "resume_schedule": "stretch"}).step == 30
+    # stretch does not excuse another math key
+    make_checkpoint(tmp_path, 40, sha="before", math=resume.math_config({**conf, "max_steps": 10, "seed": 1}))
+    with pytest.raises(entry.TrainError, match="seed 1 -> 42"):
+        resume.decide_resume(writer, origin, {**conf, "resume_schedule": "stretch"})
 
 
 # ----------------------------------------------------------------------------- fast: refused input
@@ -514,6 +551,34 @@ def test_kill_9_mid_stage_then_resume_ends_like_an_uninterrupted_run(base_run, t
     for s in range(resumed_at + 1, BASE_STEPS + 1):
         assert ours[s]["loss"] == pytest.approx(theirs[s]["loss"], rel=1e-3, abs=1e-3), s
         assert ours[s]["lr"] == pytest.approx(theirs[s]["lr"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_a_longer_max_steps_resumes_with_the_stretched_schedule_and_never_for_logging(tiny, tmp_path):
+    conf = write_project(tmp_path, tiny)
+    run = tmp_path / "runs" / "base"
+    args = ("--config-dir", str(conf), "+exp=base")
+    short = direct(tmp_path, *args, "max_steps=2")               # ends with checkpoint-2, lr decayed to its end
+    assert short.returncode == 0, show(short)
+    ckpt = run / "checkpoint-2"
+    assert (ckpt / "checkpoint.json").is_file()
+
+    # a longer schedule, with saving and kernel keys changed too: refused, the checkpoint kept
+    longer = ("max_steps=4", "save_total_limit=3", "kernels=reference")
+    refused = direct(tmp_path, *args, *longer)
+    assert_refused(refused, "schedule's length changed", "max_steps 2 -> 4", "resume_schedule=stretch", "force=true")
+    assert (ckpt / "checkpoint.json").is_file()
+
+    resumed = direct(tmp_path, *args, *longer, "resume_schedule=stretch")
+    assert resumed.returncode == 0, show(resumed)
+    assert "schedule stretched" in resumed.stdout
+    resumes = [e for e in events_of(run) if e["event"] == "resume"]
+    assert [e["step"] for e in resumes] == [2] and resumes[0]["total_steps"] == 4
+    assert json.loads((run / "stage_complete.json").read_text())["steps"] == 4
+    steps = steps_of(run)
+    assert steps[2]["total_steps"] == 2 and steps[3]["total_steps"] == steps[4]["total_steps"] == 4
+    # the learning rate continues on the longer curve: back up from the short run's end, then decaying
+    assert steps[3]["lr"] > steps[2]["lr"] and steps[3]["lr"] > steps[4]["lr"]
 
 
 @pytest.mark.slow

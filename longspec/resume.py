@@ -1,0 +1,103 @@
+"""Which checkpoint a run resumes from, and which config changes may resume it (docs/DESIGN.md).
+
+    decide_resume(out, origin, conf)  the newest complete checkpoint, None (start), or TrainError
+    math_config(conf)                 the keys that change what training computes, saved in checkpoint.json
+
+Math keys (model, data, optimiser, schedule, precision, seeds: everything not listed below) must be
+what the checkpoint was trained with, or two runs would be mixed. Non-math keys (saving, logging,
+tracking, eval, kernels, the stage's label) never block a resume. The schedule's length
+(`max_steps`, `num_train_epochs`) is math, with one way through: `resume_schedule=stretch` resumes
+and recomputes warm-up and decay for the new total, so the learning rate continues on the new
+curve from the checkpoint's step; without it the resume is refused and the checkpoints are kept.
+`force=true` starts over (the checkpoints are removed).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from longspec import outputs
+from longspec.entry import TrainError
+
+# dotted keys (a key covers everything under it) whose value never changes what is trained
+NON_MATH_KEYS = (
+    "stage", "output_dir", "force", "resume_schedule",                  # names and instructions
+    "save_steps", "save_total_limit",                                   # saving
+    "logging_steps", "logging",                                         # logging, tracking
+    "kernels", "loss_chunk_size",                                       # how it is computed, not what
+    "ds_cfg.steps_per_print", "ds_cfg.wall_clock_breakdown",            # DeepSpeed's own logging
+    "ds_cfg.tensorboard", "ds_cfg.wandb", "ds_cfg.csv_monitor", "ds_cfg.flops_profiler",
+    "eval", "hydra",
+)
+NON_MATH_PREFIXES = ("eval_",)                                          # eval_* keys: measuring, not training
+SCHEDULE_LENGTH_KEYS = ("max_steps", "num_train_epochs")
+
+
+def is_math_key(dotted: str) -> bool:
+    if dotted.split(".")[0].startswith(NON_MATH_PREFIXES):
+        return False
+    return not any(dotted == k or dotted.startswith(k + ".") for k in NON_MATH_KEYS)
+
+
+def math_config(conf: dict[str, Any]) -> dict[str, Any]:
+    """dotted key -> value of every math leaf of the resolved config (lists are one leaf)."""
+    out: dict[str, Any] = {}
+
+    def walk(node: dict, prefix: str) -> None:
+        for k, v in node.items():
+            dotted = f"{prefix}.{k}" if prefix else str(k)
+            if not is_math_key(dotted):
+                continue
+            if isinstance(v, dict) and v:
+                walk(v, dotted)
+            else:
+                out[dotted] = v
+
+    walk(conf, "")
+    return out
+
+
+def differences(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:
+    return sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k, "<unset>") != ours.get(k, "<unset>"))
+
+
+def _show(theirs: dict, ours: dict, keys: list[str]) -> str:
+    return ", ".join(f"{k} {theirs.get(k, '<unset>')!r} -> {ours.get(k, '<unset>')!r}" for k in keys)
+
+
+def decide_resume(out: outputs.RunWriter, origin, conf: dict[str, Any]):
+    """The complete checkpoint to resume from (or None). A checkpoint of another config is resumed
+    when only non-math keys differ, or only the schedule's length with resume_schedule=stretch;
+    otherwise TrainError, with the checkpoints left in place."""
+    complete = out.complete_checkpoints()
+    if conf.get("force") or not complete:
+        return None
+    newest = complete[-1]
+    theirs = newest.info.get("config_sha256")
+    if not origin.config_sha256 or not theirs or theirs == origin.config_sha256:
+        return newest
+    where = f"{out.dir} holds checkpoints of another config (checkpoint-{newest.step})"
+    start_over = "force=true starts over (its checkpoints are removed)"
+    saved = newest.info.get("math")
+    if not isinstance(saved, dict):  # saved before checkpoints named their math keys: cannot tell
+        raise TrainError(f"{where}; resuming would mix two runs",
+                         hint="restore the config it was saved with to resume it, or choose another "
+                              f"output_dir; {start_over}")
+    ours = math_config(conf)
+    changed = differences(saved, ours)
+    other = [k for k in changed if k not in SCHEDULE_LENGTH_KEYS]
+    if other:
+        raise TrainError(f"{where}: {_show(saved, ours, other)} change what is trained; resuming would mix "
+                         "two runs",
+                         hint=f"set them back to resume from checkpoint-{newest.step} (its checkpoints are "
+                              f"kept), or choose another output_dir; {start_over}")
+    if changed and conf.get("resume_schedule") != "stretch":
+        raise TrainError(f"{where}: the schedule's length changed ({_show(saved, ours, changed)})",
+                         hint=f"resume_schedule=stretch resumes from checkpoint-{newest.step} with warm-up and "
+                              "decay recomputed for the new length (the learning rate continues on the new "
+                              f"curve from step {newest.step}); or set it back; {start_over}")
+    if os.environ.get("RANK", "0") == "0":
+        what = (f"the schedule stretched to the new length ({_show(saved, ours, changed)})" if changed
+                else "only keys that do not change what is trained differ")
+        print(f"[{conf.get('stage')}] resuming checkpoint-{newest.step} of a changed config: {what}", flush=True)
+    return newest
