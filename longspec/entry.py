@@ -4,16 +4,18 @@
     implied_config_dir(argv) `--config-dir conf` when run from a project folder without it
     read_config(cfg)         the composed DictConfig as plain, checked data (ConfigError otherwise)
     TrainError, user_errors() the mistakes a user can fix: one `error:` block (report_error), exit 1
+    tool_boundary(...)       the error boundary of a JSON-printing tool (prepare, show)
 
 longspec.train (the training loop) and longspec.prepare (tokenize once) both start here, so they
 compose a stage the same way and word a mistake the same way.
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from longspec import dsconfig
 from longspec.preempt import EXIT_PREEMPTED
@@ -51,6 +53,31 @@ def user_errors() -> tuple[type[BaseException], ...]:
     except ImportError:
         pass
     return tuple(errors)
+
+
+def tool_boundary(run: Callable[[Any], dict], cfg, *, json_out: bool, extra_errors: tuple = (),
+                  code_of: Callable[[BaseException], int] = lambda e: EXIT_ERROR) -> tuple[int, dict | None]:
+    """(exit code, result) of `run(cfg)` for a tool that prints JSON (`prepare`, `show`): a user's
+    mistake becomes one `error:` block (and `{"error", "exit_code"}` with --json), Ctrl-C exit 130;
+    anything else is a bug and propagates."""
+    from longspec.preempt import EXIT_INTERRUPTED
+
+    try:
+        return 0, run(cfg)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED, None
+    except Exception as e:
+        if isinstance(e, dsconfig.ConfigError):
+            message = "invalid stage config:\n" + "\n".join(f"- {p}" for p in e.problems)
+        elif isinstance(e, (*user_errors(), *extra_errors, OSError)):
+            message = str(e)
+        else:
+            raise
+        code = code_of(e)
+        if json_out:
+            print(json.dumps({"error": message, "exit_code": code}), flush=True)
+        report_error(message)
+        return code, None
 
 
 def read_config(cfg) -> dict[str, Any]:

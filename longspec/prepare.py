@@ -403,33 +403,19 @@ def _print_summary(r: dict) -> None:
 
 
 def guarded(cfg) -> int:
-    from longspec import dsconfig
-    from longspec.entry import EXIT_ERROR, report_error, user_errors
-    from longspec.preempt import EXIT_INTERRUPTED
+    from longspec.data import DataError
+    from longspec.entry import EXIT_ERROR, tool_boundary
 
-    try:
-        r = run(cfg)
-    except KeyboardInterrupt:
-        return EXIT_INTERRUPTED
-    except Exception as e:
-        if isinstance(e, dsconfig.ConfigError):
-            message = "invalid stage config:\n" + "\n".join(f"- {p}" for p in e.problems)
-        elif isinstance(e, (*user_errors(), CacheWriteError, OSError)):
-            message = str(e)
-        else:
-            raise
-        from longspec.data import DataError
+    def code_of(e: BaseException) -> int:
+        return EXIT_INPUT if isinstance(e, DataError) and not isinstance(e, CacheWriteError) else EXIT_ERROR
 
-        code = EXIT_INPUT if isinstance(e, DataError) and not isinstance(e, CacheWriteError) else EXIT_ERROR
+    code, r = tool_boundary(run, cfg, json_out=bool(FLAGS.get("json")), extra_errors=(CacheWriteError,),
+                            code_of=code_of)
+    if r is not None:
         if FLAGS.get("json"):
-            print(json.dumps({"error": message, "exit_code": code}), flush=True)
-        report_error(message)
-        return code
-    if FLAGS.get("json"):
-        r = {k: v for k, v in r.items()}
-        print(json.dumps(r), flush=True)
-    _print_summary(r)
-    return 0
+            print(json.dumps(r), flush=True)
+        _print_summary(r)
+    return code
 
 
 def main() -> None:

@@ -119,12 +119,13 @@ def _take_flags(argv: list[str]) -> list[str]:
 
 
 def run(cfg) -> dict:
-    from longspec import prepare, train
+    from longspec import prepare
+    from longspec.entry import TrainError, read_config
 
-    conf = train.read_config(cfg)
+    conf = read_config(cfg)
     d, train_file = conf["data"], Path(conf["train_file"])
     if not train_file.is_file():
-        raise train.TrainError(f"train_file = {train_file}: file not found")
+        raise TrainError(f"train_file = {train_file}: file not found")
     tok = prepare.load_tokenizer(conf["model_name_or_path"])
     records = show_records(train_file, tok, d["collator"], d["max_seq_length"], max(0, FLAGS["show"]),
                            d.get("on_bad_record", "error"))
@@ -133,35 +134,23 @@ def run(cfg) -> dict:
 
 
 def guarded(cfg) -> int:
-    from longspec import dsconfig, prepare, train
     from longspec.data import DataError
+    from longspec.entry import EXIT_ERROR, tool_boundary
+    from longspec.prepare import EXIT_INPUT
 
-    try:
-        r = run(cfg)
-    except KeyboardInterrupt:
-        return train.EXIT_INTERRUPTED
-    except Exception as e:
-        if isinstance(e, dsconfig.ConfigError):
-            message = "invalid stage config:\n" + "\n".join(f"- {p}" for p in e.problems)
-        elif isinstance(e, (*train._user_errors(), OSError)):
-            message = str(e)
-        else:
-            raise
-        code = prepare.EXIT_INPUT if isinstance(e, DataError) else train.EXIT_ERROR
-        if FLAGS["json"]:
-            print(json.dumps({"error": message, "exit_code": code}), flush=True)
-        train.report_error(message)
-        return code
-    print(json.dumps(r), flush=True)
-    return 0
+    code, r = tool_boundary(run, cfg, json_out=FLAGS["json"],
+                            code_of=lambda e: EXIT_INPUT if isinstance(e, DataError) else EXIT_ERROR)
+    if r is not None:
+        print(json.dumps(r), flush=True)
+    return code
 
 
 def main() -> None:
-    from longspec import train
+    from longspec.entry import implied_config_dir, make_hydra_entry
 
     argv = _take_flags(sys.argv[1:])
-    sys.argv = [sys.argv[0]] + train.implied_config_dir(argv)
-    train._make_hydra_entry(guarded)()
+    sys.argv = [sys.argv[0]] + implied_config_dir(argv)
+    make_hydra_entry(guarded)()
 
 
 if __name__ == "__main__":
