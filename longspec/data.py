@@ -19,7 +19,7 @@ import json
 import math
 import random
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -174,6 +174,20 @@ def _array_items(path: Path, f):
 
 
 # --------------------------------------------------------------------------- encoding
+
+def load_tokenizer(path) -> Any:
+    """The target's tokenizer as the trainer uses it (pad = EOS when it has none, as the reference
+    configs set); DataError when the folder has no usable one."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, TypeError) as e:
+        raise DataError(f"model_name_or_path = {path}: no usable tokenizer ({str(e).splitlines()[0]})") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
 
 def label_pad_id(tokenizer) -> int | None:
     """The one token id labels never train: the tokenizer's pad, or its EOS when it has none

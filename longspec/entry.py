@@ -21,6 +21,7 @@ from longspec import dsconfig
 from longspec.preempt import EXIT_PREEMPTED
 
 EXIT_ERROR = 1
+EXIT_INPUT = 3                # unreadable input: a malformed record (DESIGN.md exit codes)
 
 
 class TrainError(Exception):

@@ -28,7 +28,6 @@ from longspec_cli.core.atomic import fsync_path
 
 CHUNK_RECORDS = 512          # records per batched tokenizer call / per worker task
 LOCK_POLL_S = 2.0
-EXIT_INPUT = 3                # unreadable input: a malformed record (DESIGN.md exit codes)
 
 
 class CacheWriteError(Exception):
@@ -281,18 +280,14 @@ _WORKER: dict[str, Any] = {}
 
 
 def _worker_init(target: str) -> None:
+    from longspec import data
+
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    _WORKER["tok"] = load_tokenizer(target)
+    _WORKER["tok"] = data.load_tokenizer(target)
 
 
 def _worker_encode(chunk: list, opts: Options) -> list:
     return _encode_chunk(chunk, _WORKER["tok"], opts)
-
-
-def load_tokenizer(target: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(target)
 
 
 # ----------------------------------------------------------------------------- ensure (locked)
@@ -333,7 +328,7 @@ def ensure(train_file: str | Path, target: str, data_conf: dict, tokenizer=None,
         except P.CacheProblem as e:
             why = str(e)
         say(f"{label}: tokenizing {train_file} ({why}) into {folder}")
-        tok = tokenizer if tokenizer is not None else load_tokenizer(target)
+        tok = tokenizer if tokenizer is not None else data.load_tokenizer(target)
         try:
             man = build(train_file, target, fields, folder, tok, workers=workers, progress=progress, label=label)
         except OSError as e:
@@ -404,7 +399,7 @@ def _print_summary(r: dict) -> None:
 
 def guarded(cfg) -> int:
     from longspec.data import DataError
-    from longspec.entry import EXIT_ERROR, tool_boundary
+    from longspec.entry import EXIT_ERROR, EXIT_INPUT, tool_boundary
 
     def code_of(e: BaseException) -> int:
         return EXIT_INPUT if isinstance(e, DataError) and not isinstance(e, CacheWriteError) else EXIT_ERROR

@@ -119,14 +119,14 @@ def _take_flags(argv: list[str]) -> list[str]:
 
 
 def run(cfg) -> dict:
-    from longspec import prepare
     from longspec.entry import TrainError, read_config
+    from longspec.data import load_tokenizer
 
     conf = read_config(cfg)
     d, train_file = conf["data"], Path(conf["train_file"])
     if not train_file.is_file():
         raise TrainError(f"train_file = {train_file}: file not found")
-    tok = prepare.load_tokenizer(conf["model_name_or_path"])
+    tok = load_tokenizer(conf["model_name_or_path"])   # the trainer's own (a pad token set)
     records = show_records(train_file, tok, d["collator"], d["max_seq_length"], max(0, FLAGS["show"]),
                            d.get("on_bad_record", "error"))
     return {"stage": conf["stage"], "collator": d["collator"], "max_seq_length": d["max_seq_length"],
@@ -135,8 +135,7 @@ def run(cfg) -> dict:
 
 def guarded(cfg) -> int:
     from longspec.data import DataError
-    from longspec.entry import EXIT_ERROR, tool_boundary
-    from longspec.prepare import EXIT_INPUT
+    from longspec.entry import EXIT_ERROR, EXIT_INPUT, tool_boundary
 
     code, r = tool_boundary(run, cfg, json_out=FLAGS["json"],
                             code_of=lambda e: EXIT_INPUT if isinstance(e, DataError) else EXIT_ERROR)

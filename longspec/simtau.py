@@ -25,7 +25,6 @@ import math
 import shutil
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from longspec_cli.core import runfolder
@@ -256,7 +255,7 @@ class SimTau:
         record["best"] = best
         if self.rank == 0:
             self.out.record({**record, "eval_s": round(time.time() - t0, 3)})
-            from longspec.train import print0
+            from longspec.dist import print0
 
             print0(f"[{session.conf['stage']}] step {step}: simulated tau {tau:.3f} (alpha "
                    + " ".join(f"{a:.2f}" for a in alpha) + ")" + (", best so far: best/" if best else ""))

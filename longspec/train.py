@@ -27,230 +27,20 @@ rank, writes a `preempted` event and exits 5; a second signal exits at once (lon
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from longspec import dsconfig, outputs, simtau
-from longspec.entry import (EXIT_ERROR, TrainError, implied_config_dir, make_hydra_entry, read_config,
-                            report_error, user_errors)
-from longspec.preempt import EXIT_INTERRUPTED, EXIT_PREEMPTED, WATCH
+from longspec import dsconfig, failure, outputs, simtau
+from longspec.dist import print0, progress, rank, seeded, single_process_env, take_local_rank, world_size
+from longspec.entry import TrainError, implied_config_dir, make_hydra_entry, read_config
+from longspec.preempt import EXIT_PREEMPTED, WATCH
+from longspec.preflight import (DTYPES, Origin, Preflight, config_origin, cpu_adam_error, preflight,
+                                training_config_yaml, wants_offload)
 from longspec.resume import decide_resume, math_config
 from longspec_cli.core import runfolder
-
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-_progress = {"step": 0, "writing": None}   # the last finished step, the path being written
-
-
-# ----------------------------------------------------------------------------- small helpers
-
-def rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
-def world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def print0(*args: Any) -> None:
-    if rank() == 0:
-        print(*args, flush=True)
-
-
-def take_local_rank(argv: list[str]) -> list[str]:
-    """Remove DeepSpeed's `--local_rank=N` / `--local_rank N` (Hydra would reject it); set LOCAL_RANK."""
-    out, i = [], 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg.startswith("--local_rank="):
-            os.environ.setdefault("LOCAL_RANK", arg.split("=", 1)[1])
-        elif arg == "--local_rank" and i + 1 < len(argv):
-            os.environ.setdefault("LOCAL_RANK", argv[i + 1])
-            i += 1
-        else:
-            out.append(arg)
-        i += 1
-    return out
-
-
-def single_process_env() -> None:
-    """`python -m longspec.train` without a launcher: a world of one on a free local port."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"),
-                      LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-
-
-def seeded(*parts: int):
-    """A torch.Generator seeded from (seed, step, ...): the same numbers after a resume."""
-    import torch
-
-    digest = hashlib.sha256(repr(parts).encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
-
-
-# ----------------------------------------------------------------------------- config
-
-@dataclass
-class Origin:
-    exp_file: Path | None        # DIR/conf/exp/STAGE.yaml
-    overrides: list[str]          # command-line overrides that change the config
-    config_sha256: str | None
-
-
-def config_origin() -> Origin:
-    """Which experiment file Hydra composed and with which overrides (for config_sha256)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
-        return Origin(None, [], None)
-    hc = HydraConfig.get()
-    choice = hc.runtime.choices.get("exp")
-    exp_file = None
-    if choice:
-        for source in hc.runtime.config_sources:
-            if source.schema != "file":
-                continue
-            candidate = Path(source.path) / "exp" / f"{choice}.yaml"
-            if candidate.is_file():
-                exp_file = candidate.resolve()
-                break
-    overrides = runfolder.config_overrides(hc.overrides.task)
-    sha = outputs.fingerprint(exp_file, overrides) if exp_file else None
-    return Origin(exp_file, overrides, sha)
-
-
-# ----------------------------------------------------------------------------- preflight
-
-@dataclass
-class Preflight:
-    target_config: Any
-    tokenizer: Any
-    dataset: Any                  # prepare.PreparedDataset: the memory-mapped prepared cache
-    draft_state: Any | None       # state dict from draft_model_name_or_path, checked
-    draft_sha256: str | None
-
-
-def preflight(conf: dict[str, Any]) -> Preflight:
-    """Everything that reads user files but no model weights, before any process group exists:
-    the target is a supported causal LM, the data tokenizes, the draft file is safe and fits.
-    Raises TrainError / DataError / DraftLoadError."""
-    target = Path(conf["model_name_or_path"])
-    if not (target / "config.json").is_file():
-        raise TrainError(f"model_name_or_path = {target}: not a Hugging Face model folder (no config.json)")
-    tcfg = _target_config(target)
-    train_file = Path(conf["train_file"])
-    if not train_file.is_file():
-        raise TrainError(f"train_file = {train_file}: file not found")
-    for name in ("wandb", "tensorboard"):
-        if conf["logging"][name]:
-            _require_logger(name)
-    _check_kernels(conf)
-
-    draft_state, draft_sha = None, None
-    if conf["draft_model_name_or_path"] is not None:
-        draft_state, draft_sha = _load_draft(Path(conf["draft_model_name_or_path"]), tcfg, conf)
-
-    tokenizer = _tokenizer(conf["model_name_or_path"])
-    dataset = prepared_dataset(conf, train_file, tokenizer)
-    if getattr(dataset, "skipped", 0):
-        print0(f"[{conf['stage']}] skipped {dataset.skipped} bad records of {train_file}; first: "
-               f"{(getattr(dataset, 'problems', None) or ['?'])[0]}")
-    return Preflight(tcfg, tokenizer, dataset, draft_state, draft_sha)
-
-
-def prepared_dataset(conf: dict[str, Any], train_file: Path, tokenizer):
-    """The memory-mapped prepared cache of train_file; built here (one process per cache, under a
-    lock; the others wait) when `longspec run`'s preflight has not built it already."""
-    from longspec import prepare
-
-    try:
-        dataset, _, _ = prepare.ensure(train_file, conf["model_name_or_path"], conf["data"], tokenizer=tokenizer,
-                                       workers=1, progress=rank() == 0,
-                                       label=f"[{conf['stage']}] prepare (rank {rank()})")
-    except prepare.CacheWriteError as e:
-        raise TrainError(str(e)) from None
-    return dataset
-
-
-def _target_config(target: Path):
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    from longspec_cli.core.targets import refusal
-
-    try:
-        tcfg = AutoConfig.from_pretrained(str(target))
-    except (OSError, ValueError, KeyError) as e:
-        raise TrainError(f"model_name_or_path = {target}: unreadable model config ({str(e).splitlines()[0]})") from None
-    kind = getattr(tcfg, "model_type", None)
-    archs = getattr(tcfg, "architectures", None) or []
-    causal = kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and (not archs or any("CausalLM" in a for a in archs))
-    if not causal:
-        raise TrainError(f"model_name_or_path = {target}: not a causal language model "
-                         f"(model_type {kind!r}, architectures {archs})")
-    problem = refusal(kind, getattr(tcfg, "hidden_act", "silu"))
-    if problem:
-        raise TrainError(f"model_name_or_path = {target}: {problem}")
-    return tcfg
-
-
-def _load_draft(path: Path, tcfg, conf: dict[str, Any]):
-    """Load the input draft safely (weights_only) and check it against a meta-device draft."""
-    import torch
-
-    from longspec.checkpoint import check_draft_state, load_draft_state
-    from longspec.model import DraftConfig, GlideDraft
-    from longspec_cli.core.atomic import sha256_file
-
-    state = load_draft_state(path)            # DraftLoadError: missing, corrupt, pickle payload
-    with torch.device("meta"):
-        shell = GlideDraft(DraftConfig.from_target_config(tcfg, conf["draft"]["sliding_window"]))
-    check_draft_state(state, shell)            # DraftLoadError naming keys and shapes
-    file = path
-    if path.is_dir():
-        for name in ("draft_model_weights.pth", "draft_model_weights.safetensors", "model.safetensors"):
-            if (path / name).is_file():
-                file = path / name
-                break
-    return state, (sha256_file(file) if file.is_file() else None)
-
-
-def _check_kernels(conf: dict[str, Any]) -> None:
-    """``kernels: fused`` where the fused kernels cannot run is refused before anything loads."""
-    if conf["kernels"] != "fused":
-        return
-    import torch
-
-    from longspec import kernels
-
-    if conf["precision"] == "fp32":
-        raise TrainError("kernels = fused needs precision bf16 or fp16 (flash-attn has no fp32 "
-                         "kernels); set precision=bf16 or kernels=auto")
-    kernels.set_mode("fused")
-    try:
-        kernels.backend("cuda" if torch.cuda.is_available() else "cpu")
-    except kernels.KernelUnavailable as e:
-        raise TrainError(str(e)) from None
-
-
-def _require_logger(name: str) -> None:
-    import importlib.util
-
-    module = {"wandb": "wandb", "tensorboard": "tensorboard"}[name]
-    if importlib.util.find_spec(module) is None:
-        raise TrainError(f"logging.{name} = true but the `{module}` package is not installed "
-                         f"(install it, or set logging.{name}=false)")
-
 
 # ----------------------------------------------------------------------------- the run
 
@@ -333,10 +123,10 @@ class Session:
                              f"{conf['per_gpu_train_batch_size']} records per rank over {self.world} ranks")
         self.total, warmup = dsconfig.plan_steps(conf, self.per_epoch)
 
-        cpu_adam_error = _cpu_adam_error(accel) if _wants_offload(conf) else None
+        adam_error = cpu_adam_error(accel) if wants_offload(conf) else None
         ds_conf, notes = dsconfig.build_ds_config(
             conf, world_size=self.world, total_steps=self.total, warmup_steps=warmup,
-            on_cpu=self.on_cpu, cpu_adam_error=cpu_adam_error)
+            on_cpu=self.on_cpu, cpu_adam_error=adam_error)
         for note in notes:
             print0(f"[{conf['stage']}] note: {note}")
         self.ds_conf = ds_conf
@@ -347,7 +137,7 @@ class Session:
             if conf["force"]:
                 self.out.remove_all_checkpoints()
             self.out.clear_stage_complete()
-            self.out.write_training_config(_training_config_yaml(conf, ds_conf, self.origin))
+            self.out.write_training_config(training_config_yaml(conf, ds_conf, self.origin))
             self.simtau.commit()
 
         self.backends = self._kernels(accel)               # KernelUnavailable before the model loads
@@ -429,7 +219,7 @@ class Session:
         if loaded is None:
             raise TrainError(f"{ckpt.path}: DeepSpeed state could not be loaded")
         self.step = int(client.get("step", ckpt.step))
-        _progress["step"] = self.step
+        progress["step"] = self.step
         self.last_loss = ckpt.info.get("loss")
         self.out.event("resume", self.step, total_steps=self.total, path=str(ckpt.path),
                        config_sha256=self.origin.config_sha256, kernels=self.backends)
@@ -495,7 +285,7 @@ class Session:
                 sums[1] += result["llm_loss"].detach().float().item()
                 sums[2] += float(mask.sum()) if mask is not None else ids.numel()
             self.step += 1
-            _progress["step"] = self.step
+            progress["step"] = self.step
             sums[3] = 1.0 if WATCH.requested.is_set() else 0.0   # every rank stops at the same step
             torch.distributed.all_reduce(sums)
             loss, llm_loss = sums[0].item() / (ga * self.world), sums[1].item() / (ga * self.world)
@@ -545,7 +335,7 @@ class Session:
         from longspec.checkpoint import save_draft
 
         path = self.out.checkpoint_dir(self.step)
-        _progress["writing"] = path
+        progress["writing"] = path
         if self.rank == 0:
             self.out.prepare_checkpoint(self.step)
         torch.distributed.barrier()
@@ -564,7 +354,7 @@ class Session:
             self.out.rotate(self.conf["save_total_limit"], self.step)
             self.out.event("checkpoint", self.step, path=str(path))
         self.saved = (self.step, state)
-        _progress["writing"] = None
+        progress["writing"] = None
 
     def stop_preempted(self) -> None:
         """After a stop signal: the checkpoint of this step is on every rank's disk; say so, leave."""
@@ -586,9 +376,9 @@ class Session:
 
         state = self.saved[1] if self.saved and self.saved[0] == self.step else self.draft_state()
         if self.rank == 0:
-            _progress["writing"] = self.out.dir / WEIGHTS_NAME
+            progress["writing"] = self.out.dir / WEIGHTS_NAME
             weights = save_draft(state, self.out.dir / WEIGHTS_NAME)
-            _progress["writing"] = self.out.dir / runfolder.STAGE_COMPLETE
+            progress["writing"] = self.out.dir / runfolder.STAGE_COMPLETE
             self.out.event("end", self.step, final_loss=self.last_loss,
                            elapsed_s=round(time.time() - self.started, 3))
             self.out.write_stage_complete(
@@ -635,95 +425,11 @@ def _clock(seconds: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
-def _tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError) as e:
-        raise TrainError(f"model_name_or_path = {path}: no usable tokenizer ({str(e).splitlines()[0]})") from None
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return tok
-
-
-def _wants_offload(conf: dict) -> bool:
-    zero = (conf.get("ds_cfg") or {}).get("zero_optimization") or {}
-    device = (zero.get("offload_optimizer") or {}).get("device")
-    return device not in (None, "none")
-
-
-def _cpu_adam_error(accel) -> str | None:
-    """None when DeepSpeedCPUAdam's op builds/loads here, else why not (one line)."""
-    try:
-        accel.create_op_builder("CPUAdamBuilder").load(verbose=False)
-    except Exception as e:  # a compiler error, a missing toolchain, an unsupported CPU
-        return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-    return None
-
-
-def _training_config_yaml(conf: dict, ds_conf: dict, origin: Origin) -> str:
-    from omegaconf import OmegaConf
-
-    head = (f"# resolved by longspec.train from {origin.exp_file or '(no experiment file)'}\n"
-            f"# overrides: {' '.join(origin.overrides) or '(none)'}\n"
-            f"# config_sha256: {origin.config_sha256}\n")
-    return head + OmegaConf.to_yaml(OmegaConf.create({**conf, "ds_cfg": ds_conf}))
-
-
 # ----------------------------------------------------------------------------- entry point
 
 def guarded(cfg) -> int:
-    """run() with the error boundary: user mistakes -> one `error:` block, exit 1, no traceback."""
-    from longspec_cli.core import diskspace
-
-    try:
-        return run(cfg)
-    except KeyboardInterrupt:
-        return EXIT_INTERRUPTED
-    except Exception as e:
-        if isinstance(e, dsconfig.ConfigError):
-            message = "invalid stage config:\n" + "\n".join(f"- {p}" for p in e.problems)
-        elif isinstance(e, user_errors()):
-            message = str(e)
-        elif diskspace.is_write_failure(e):
-            message = _write_failure(cfg, e)
-        else:
-            import traceback
-
-            traceback.print_exc()
-            message = f"training failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        if rank() == 0:
-            report_error(message)
-            _error_event(cfg, message)
-        return EXIT_ERROR
-
-
-def _error_event(cfg, message: str) -> None:
-    try:
-        out_dir = Path(cfg.get("output_dir"))
-    except Exception:
-        return
-    if out_dir.is_dir():
-        try:
-            outputs.RunWriter(out_dir).event("error", _progress["step"], message=message)
-        except OSError:
-            pass                       # a full disk: the error block on stderr says it all
-
-
-def _write_failure(cfg, e: BaseException) -> str:
-    """A write failed for want of space: drop the half-written checkpoint (rank 0; it never got its
-    checkpoint.json, so nothing reads it, but it holds space), then name path, space and resume point."""
-    from longspec_cli.core import diskspace
-
-    try:
-        out_dir = Path(cfg.get("output_dir"))
-    except Exception:
-        out_dir = Path(".")
-    path = _progress["writing"] or diskspace.failed_path(e) or "the training log (stdout)"
-    if rank() == 0:
-        outputs.RunWriter(out_dir).drop_incomplete_checkpoints()
-    return diskspace.write_failure(path, out_dir, e)
+    """run() inside the trainer's error boundary (longspec.failure)."""
+    return failure.guarded(run, cfg)
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ def tiny(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def tok(tiny):
-    return prepare.load_tokenizer(str(tiny["target"]))
+    return data.load_tokenizer(str(tiny["target"]))
 
 
 @pytest.fixture(autouse=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from longspec import entry, train
+from longspec import dist, entry, preflight
 from longspec_cli.core import runfolder
 
 REPO = Path(__file__).resolve().parents[2]
@@ -180,10 +180,10 @@ def base_run(tiny, tmp_path_factory) -> dict:
 
 def test_take_local_rank_strips_both_spellings(monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    assert train.take_local_rank(["--local_rank=3", "+exp=base", "max_steps=4"]) == ["+exp=base", "max_steps=4"]
+    assert dist.take_local_rank(["--local_rank=3", "+exp=base", "max_steps=4"]) == ["+exp=base", "max_steps=4"]
     assert os.environ["LOCAL_RANK"] == "3"
     monkeypatch.delenv("LOCAL_RANK")
-    assert train.take_local_rank(["--local_rank", "1", "x=1"]) == ["x=1"]
+    assert dist.take_local_rank(["--local_rank", "1", "x=1"]) == ["x=1"]
     assert os.environ["LOCAL_RANK"] == "1"
 
 
@@ -199,9 +199,9 @@ def test_config_dir_is_implied_only_from_a_project_folder(tmp_path, monkeypatch)
 def test_seeded_generators_repeat_for_the_same_step_and_differ_across_steps():
     import torch
 
-    a = torch.randint(0, 1 << 30, (4,), generator=train.seeded(42, 7, 0, 0))
-    b = torch.randint(0, 1 << 30, (4,), generator=train.seeded(42, 7, 0, 0))
-    c = torch.randint(0, 1 << 30, (4,), generator=train.seeded(42, 8, 0, 0))
+    a = torch.randint(0, 1 << 30, (4,), generator=dist.seeded(42, 7, 0, 0))
+    b = torch.randint(0, 1 << 30, (4,), generator=dist.seeded(42, 7, 0, 0))
+    c = torch.randint(0, 1 << 30, (4,), generator=dist.seeded(42, 8, 0, 0))
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
@@ -237,7 +237,7 @@ def test_resume_picks_the_newest_complete_checkpoint_and_refuses_another_config(
     from longspec import outputs, resume
 
     writer = outputs.RunWriter(tmp_path)
-    origin = train.Origin(exp_file=None, overrides=[], config_sha256="cfg")
+    origin = preflight.Origin(exp_file=None, overrides=[], config_sha256="cfg")
     conf = dict(RESUME_CONF)
     assert resume.decide_resume(writer, origin, conf) is None
     make_checkpoint(tmp_path, 10, math=resume.math_config(conf))
@@ -254,7 +254,7 @@ def test_only_math_keys_block_a_resume_and_a_longer_schedule_needs_stretch(tmp_p
     from longspec import outputs, resume
 
     writer = outputs.RunWriter(tmp_path)
-    origin = train.Origin(exp_file=None, overrides=[], config_sha256="now")
+    origin = preflight.Origin(exp_file=None, overrides=[], config_sha256="now")
     conf = dict(RESUME_CONF)
     # saving, logging, tracking, eval, kernels: the checkpoint resumes
     saved = {**conf, "save_steps": 5, "save_total_limit": 9, "logging_steps": 3, "logging": {"wandb": True},
