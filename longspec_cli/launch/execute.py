@@ -26,7 +26,7 @@ LOW_SPACE_BYTES = 64 * 1024 ** 2  # a failed stage with less free than this is r
 
 
 SUMMARY_HEADER = ["stage", "action", "result", "steps", "first loss", "last loss", "tokens/s", "wall s",
-                  "tau", "speed-up", "tree tau", "sha256"]
+                  "sim tau", "tau", "speed-up", "tree tau", "sha256"]
 
 
 def prepare(req: RunRequest, console: Console) -> tuple[Manifest, list[StagePlan], A.Placement, A.Resources]:
@@ -286,6 +286,8 @@ def _outcome(spec: StageSpec, action: str, result: str, wall_s: float | None = N
         rates = [r for r in rates if r]
         out.tokens_per_s = sum(rates) / len(rates) if rates else None
         out.steps = steps[-1].get("step") if isinstance(steps[-1].get("step"), int) else None
+    sim = rd.last_simtau_record()             # the estimate while training, at the stage's last evaluation
+    out.sim_tau = as_float(sim.get("tau")) if sim else None
     if complete is not None:
         out.sha256 = complete.get("sha256")
         ev = eval_of(spec, out.sha256)

@@ -60,6 +60,7 @@ class StageOutcome:
     tokens_per_s: float | None = None
     wall_s: float | None = None
     sha256: str | None = None
+    sim_tau: float | None = None  # the simulated tau of the stage's last evaluation while training
     tau: float | None = None  # from eval.json, only when it was measured on this final draft
     speedup: float | None = None
     tree_tau: float | None = None  # the token tree's tau on the same prompts
@@ -70,7 +71,7 @@ class StageOutcome:
         f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
         return [self.name, self.action, self.result, f(self.steps, "d"), f(self.first_loss, ".4f"),
                 f(self.last_loss, ".4f"), f(self.tokens_per_s, ",.0f"), f(self.wall_s, ".1f"),
-                f(self.tau, ".2f"), f(self.speedup, ".2f"), f(self.tree_tau, ".2f"), (self.sha256 or "-")[:16]]
+                f(self.sim_tau, ".2f"), f(self.tau, ".2f"), f(self.speedup, ".2f"), f(self.tree_tau, ".2f"), (self.sha256 or "-")[:16]]
 
     def take_eval(self, ev: dict) -> None:
         """tau and speed-up of the chain, and the tree's tau, from an eval.json (old files: chain only)."""

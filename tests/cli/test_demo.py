@@ -54,17 +54,20 @@ def test_demo_runs_three_chained_stages_and_prints_the_summary(tmp_path):
     # the summary table: one row per stage with steps, losses, tokens/s, wall time, tau, speed-up, sha256 prefix
     header = next(line.split() for line in res.stdout.splitlines() if line.split()[:3] == ["stage", "action", "result"])
     assert header == ["stage", "action", "result", "steps", "first", "loss", "last", "loss", "tokens/s", "wall", "s",
-                      "tau", "speed-up", "tree", "tau", "sha256"]
+                      "sim", "tau", "tau", "speed-up", "tree", "tau", "sha256"]
     rows = {line.split()[0]: line.split() for line in res.stdout.splitlines()
             if line.split() and line.split()[0] in runs and "done" in line.split()[:3]}
     assert set(rows) == set(runs)
     for s, row in rows.items():
-        assert len(row) == 12 and row[3] == "3" and row[-1] == done[s]["sha256"][:16]
-        float(row[4]), float(row[5]), float(row[7]), float(row[9])  # first loss, last loss, wall s, speed-up
-        tau = float(row[8])
+        assert len(row) == 13 and row[3] == "3" and row[-1] == done[s]["sha256"][:16]
+        float(row[4]), float(row[5]), float(row[7]), float(row[10])  # first loss, last loss, wall s, speed-up
+        last_sim = [json.loads(line) for line in (runs[s] / "metrics.jsonl").read_text().splitlines()
+                    if '"simtau"' in line][-1]
+        assert float(row[8]) == round(last_sim["tau"], 2) and last_sim["step"] == 3   # the estimate at the last step
+        tau = float(row[9])
         assert tau >= 1.0 and tau == round(ev[s]["tau"], 2)  # tokens per target forward: at least the bonus token
-        assert float(row[9]) == round(ev[s]["speedup"], 2)
-        assert float(row[10]) == round(ev[s]["methods"]["tree"]["tau"], 2)   # the tree's tau next to the chain's
+        assert float(row[10]) == round(ev[s]["speedup"], 2)
+        assert float(row[11]) == round(ev[s]["methods"]["tree"]["tau"], 2)   # the tree's tau next to the chain's
     assert "demo finished in" in res.stdout
 
     # run again: every stage is skipped, nothing is launched
