@@ -212,7 +212,7 @@ def longcot_records(rng: random.Random, n: int, sum_terms: tuple[int, int] = (60
 # ~450 tokens (eval's 256 and 512 buckets); the book and code documents keep ~1.3-1.9k tokens,
 # the long-context part of stage 2.
 DEMO_LENGTHS = {"long": dict(chat_turns=(2, 7), article_sentences=(8, 23)),
-                "longcot": dict(sum_terms=(8, 21), lookup_facts=(18, 30), search=(0.0, 0.4))}
+                "longcot": dict(sum_terms=(8, 21), lookup_facts=(20, 32), search=(0.25, 0.6))}
 STAGE_DATA = {"base": (base_records, 2500, {}), "long": (long_records, 160, DEMO_LENGTHS["long"]),
               "longcot": (longcot_records, 160, DEMO_LENGTHS["longcot"])}
 
