@@ -225,7 +225,7 @@ def test_stage_data_shapes(tiny, loaded):
     assert {tuple(sorted(r)) for r in cot} == {("problem", "qwq"), ("prompt", "response")}
     cot_ds = build_dataset(tiny["data"]["longcot"], tok, "long_cot", STAGE_SEQ)
     trained = [int((cot_ds[i]["labels"] != -100).sum()) for i in range(len(cot_ds))]
-    assert min(trained) >= 100 and cot_ds.num_tokens > 20_000  # every answer is a long one
+    assert min(trained) >= 80 and cot_ds.num_tokens > 20_000  # answers of 90-470 tokens
 
 
 def test_pretrain_corpus_is_the_targets_own():
