@@ -208,8 +208,9 @@ def longcot_records(rng: random.Random, n: int, sum_terms: tuple[int, int] = (60
 # The tiny preset's stage files: (maker, records, lengths). Stages 2-3 train 60 steps x 2
 # records in the demo: 160 records leave 40 never drawn, the held-out prompts their eval decodes.
 # Their chats and chains of thought are sized for the preset's 512-token max_seq_length: whole,
-# answer and end of turn included (the chat rule in docs/DESIGN.md), with questions of ~100 to
-# ~450 tokens (eval's 256 and 512 buckets); the book and code documents keep ~1.3-1.9k tokens,
+# answer and end of turn included (the chat rule in docs/DESIGN.md), with questions of ~40 to
+# ~460 tokens (eval's 256 and 512 buckets; a question over 256 tokens is trained under the
+# trainer's prompt cap, head and tail kept); the book and code documents keep ~1.3-1.9k tokens,
 # the long-context part of stage 2.
 DEMO_LENGTHS = {"long": dict(chat_turns=(2, 7), article_sentences=(8, 23)),
                 "longcot": dict(sum_terms=(8, 21), lookup_facts=(20, 32), search=(0.25, 0.6))}
