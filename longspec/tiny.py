@@ -255,10 +255,10 @@ def _write_jsonl(path: Path, records: list[dict]) -> None:
 def write_data(data_dir: Path, seed: int) -> dict[str, str]:
     data_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
-    for stage, (make, n) in STAGE_DATA.items():
+    for stage, (make, n, lengths) in STAGE_DATA.items():
         rng = random.Random(f"longspec-tiny-{stage}-{seed}")
         path = data_dir / f"{stage}.jsonl"
-        _write_jsonl(path, make(rng, n))
+        _write_jsonl(path, make(rng, n, **lengths))
         paths[stage] = str(path.resolve())
     return paths
 

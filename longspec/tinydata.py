@@ -129,9 +129,12 @@ class Lang:
         steps.append(f"so the total is {total} . the answer is {total} .")
         return problem, " ".join(steps)
 
-    def lookup_cot(self, n_facts: int) -> tuple[str, str]:
+    def lookup_cot(self, n_facts: int, search: tuple[float, float] = (0.5, 1.0)) -> tuple[str, str]:
+        """The key is one of the facts between the `search` shares of the list (by default in
+        its second half: a long search before the hit)."""
         facts = list(self.facts(n_facts).items())
-        key, value = self.r.choice(facts[len(facts) // 2:])  # a long search before the hit
+        lo, hi = (int(len(facts) * x) for x in search)
+        key, value = self.r.choice(facts[lo:max(hi, lo + 1)])
         prompt = " ".join(self.fact(k, v) for k, v in facts) + \
             f" question : what is the {key[1]} of {key[0]} ?"
         steps = [f"i need the {key[1]} of {key[0]} . let me go through the facts ."]
@@ -152,8 +155,17 @@ def base_records(rng: random.Random, n: int) -> list[dict]:
     return [{"text": lang.paragraph(rng.randrange(6, 12), rng.randrange(0, 4))} for _ in range(n)]
 
 
-def long_records(rng: random.Random, n: int) -> list[dict]:
-    """Stage 2: ~1-2k-token documents in upstream's `source` kinds, plus plain chats."""
+def _span(rng: random.Random, span: int | tuple[int, int]) -> int:
+    """A length: fixed (an int, no draw from `rng`) or drawn from [lo, hi)."""
+    return span if isinstance(span, int) else rng.randrange(*span)
+
+
+def long_records(rng: random.Random, n: int, chat_turns: tuple[int, int] = (25, 40),
+                 article_sentences: int | tuple[int, int] = 100) -> list[dict]:
+    """Stage 2: ~1-2k-token documents (book, code) in upstream's `source` kinds, plus chats
+    (arxiv summaries, tulu-v2 and plain `messages` chats) of `chat_turns` look-ups and articles
+    of `article_sentences` sentences. The defaults (~1.3-2.5k-token chats) are the pre-training
+    corpus's; the demo's stage asks for shorter chats (DEMO_LENGTHS)."""
     lang, out = Lang(rng), []
     for i in range(n):
         kind = ("book", "code", "arxiv", "tulu-v2", "messages")[i % 5]
@@ -165,33 +177,45 @@ def long_records(rng: random.Random, n: int) -> list[dict]:
             out.append({"source": "code", "text": lang.code(rng.randrange(60, 90))})
         elif kind == "arxiv":
             facts = list(lang.facts(6).items())
-            article = " ".join(lang.fact(k, v) for k, v in facts) + " " + lang.paragraph(100)
+            article = " ".join(lang.fact(k, v) for k, v in facts) + " " + \
+                lang.paragraph(_span(rng, article_sentences))
             abstract = "we study the facts . " + " ".join(lang.fact(k, v) for k, v in facts[:3])
             out.append({"source": "arxiv", "article": article, "abstract": abstract})
         elif kind == "tulu-v2":
-            out.append({"source": "tulu-v2", "conversation": lang.chat(rng.randrange(25, 40))})
+            out.append({"source": "tulu-v2", "conversation": lang.chat(rng.randrange(*chat_turns))})
         else:
-            out.append({"messages": lang.chat(rng.randrange(25, 40))})
+            out.append({"messages": lang.chat(rng.randrange(*chat_turns))})
     return out
 
 
-def longcot_records(rng: random.Random, n: int) -> list[dict]:
-    """Stage 3: long chain-of-thought in QwQ-LongCoT (`problem`/`qwq`) and prompt/response form."""
+def longcot_records(rng: random.Random, n: int, sum_terms: tuple[int, int] = (60, 120),
+                    lookup_facts: tuple[int, int] = (30, 60),
+                    search: tuple[float, float] = (0.5, 1.0)) -> list[dict]:
+    """Stage 3: long chain-of-thought in QwQ-LongCoT (`problem`/`qwq`: sums of `sum_terms`
+    numbers) and prompt/response form (a look-up among `lookup_facts` facts, the key between the
+    `search` shares of them). The defaults (0.5-2.7k tokens) are the pre-training corpus's."""
     lang, out = Lang(rng), []
     for i in range(n):
         if i % 2 == 0:
-            problem, qwq = lang.sum_cot(rng.randrange(60, 120))
+            problem, qwq = lang.sum_cot(rng.randrange(*sum_terms))
             out.append({"problem": problem, "qwq": qwq})
         else:
-            prompt, response = lang.lookup_cot(rng.randrange(30, 60))
+            prompt, response = lang.lookup_cot(rng.randrange(*lookup_facts), search)
             out.append({"prompt": prompt, "response": response})
     return out
 
 
-# Stages 2-3 train 60 steps x 2 records in the demo: 160 records leave 40 never drawn, the
-# held-out prompts their eval decodes.
-STAGE_DATA = {"base": (base_records, 2500), "long": (long_records, 160),
-              "longcot": (longcot_records, 160)}
+# The tiny preset's stage files: (maker, records, lengths). Stages 2-3 train 60 steps x 2
+# records in the demo: 160 records leave 40 never drawn, the held-out prompts their eval decodes.
+# Their chats and chains of thought are sized for the preset's 512-token max_seq_length: whole,
+# answer and end of turn included (the chat rule in docs/DESIGN.md), with questions of ~40 to
+# ~460 tokens (eval's 256 and 512 buckets; a question over 256 tokens is trained under the
+# trainer's prompt cap, head and tail kept); the book and code documents keep ~1.3-1.9k tokens,
+# the long-context part of stage 2.
+DEMO_LENGTHS = {"long": dict(chat_turns=(2, 7), article_sentences=(8, 23)),
+                "longcot": dict(sum_terms=(8, 21), lookup_facts=(20, 32), search=(0.25, 0.6))}
+STAGE_DATA = {"base": (base_records, 2500, {}), "long": (long_records, 160, DEMO_LENGTHS["long"]),
+              "longcot": (longcot_records, 160, DEMO_LENGTHS["longcot"])}
 
 
 def render_chat(messages: list[dict], generation_prompt: bool = False) -> str:

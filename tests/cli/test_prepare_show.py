@@ -107,14 +107,15 @@ def test_show_json_under_qwq_32b_template(projects):
     prompt = "".join(runs(first, trained=False))
     assert prompt.startswith("<|im_start|>user\n") and prompt.endswith("<|im_start|>assistant\n<think>\n")
     assert "<think>" not in "".join(runs(first))                 # QwQ's generation header: not trained
-    assert first["cut"] > 0 and first["end_of_turn_trained"] is False   # 512 tokens: the answer is cut
+    assert first["cut"] == 0 and first["end_of_turn_trained"] is True   # the demo's chains fit 512 tokens
+    assert "".join(runs(first)).endswith("<|im_end|>\n")
     long = show_json(projects["qwq"], "long", 5)["records"]
     for chat in long[2:]:
         trained = runs(chat)
         assert trained and all(t.endswith("<|im_end|>\n") for t in trained[:-1])
         assert not any("<|im_start|>" in t for t in trained)
     res = cli("prepare", str(projects["qwq"]), "longcot", "--show", "1")
-    assert res.returncode == 0 and "no end of turn trained" in res.stdout
+    assert res.returncode == 0 and "no end of turn trained" not in res.stdout
     assert "<think>\n[" in res.stdout                               # the answer starts after the header
 
 
@@ -124,6 +125,14 @@ def test_validate_warns_from_the_cache_when_answers_lose_their_end_of_turn(proje
     res = cli("prepare", str(proj), "long", "longcot")
     assert res.returncode == 0, res.stderr[-3000:]
     rep = json.loads(cli("validate", str(proj), "--json").stdout)
+    assert not [p for p in rep["problems"] if "end-of-turn" in p["message"]]       # the demo's chats fit 512 tokens
+    conf = proj / "conf" / "exp" / "longcot.yaml"
+    conf.write_text(conf.read_text().replace("max_seq_length: 512", "max_seq_length: 128"))
+    res = cli("prepare", str(proj), "longcot")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rep = json.loads(cli("validate", str(proj), "--json").stdout)
     warns = [p for p in rep["problems"] if p["severity"] == "warning" and "end-of-turn" in p["message"]]
-    assert len(warns) == 1 and warns[0]["file"].endswith("longcot.yaml")            # 512 tokens cut stage 3
+    assert len(warns) == 1 and warns[0]["file"].endswith("longcot.yaml")            # 128 tokens cut stage 3
     assert re.search(r"\d+ of the first 64 records are chats", warns[0]["message"])
+    shown = cli("prepare", str(proj), "longcot", "--show", "1")
+    assert shown.returncode == 0 and "no end of turn trained" in shown.stdout

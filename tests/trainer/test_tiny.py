@@ -5,19 +5,27 @@ import hashlib
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from longspec.data import build_dataset
 from longspec.tiny import (FAMILIES, TINY_VERSION, TinyBuildError, build_tiny, cache_dir,
                            tiny_target_info)
-from longspec.tinydata import record_text
+from longspec.prompts import record_prompts
+from longspec.show import inspect_record
+from longspec.tinydata import pretrain_corpus, record_text
 
 ROOT = Path(__file__).resolve().parents[2]
+# the tiny preset's long and longcot max_seq_length (the same for both)
+STAGE_SEQ = yaml.safe_load((ROOT / "templates" / "presets.yaml").read_text())["tiny"]["stages"]["long"]["max_seq_length"]
+# sha256 of json.dumps(pretrain_corpus(random.Random(1), 300, 5)) per TINY_VERSION
+CORPUS_SHA256 = {"4": "82fa4189196a5361c80a7a05389102640e0e7dcfabd58e6da0f9e4067d403e40"}
 
 # Runs the CLI with every outgoing connection refused and reported, to prove a build is offline.
 OFFLINE = """
@@ -197,14 +205,35 @@ def test_stage_data_shapes(tiny, loaded):
     kinds = {r.get("source", "messages") for r in long}
     assert kinds == {"code", "book", "arxiv", "tulu-v2", "messages"}
     assert 120 <= len(long) <= 200 and 120 <= len(cot) <= 200   # 60 demo steps x 2 leave prompts held out
-    long_ds = build_dataset(tiny["data"]["long"], tok, "long_data", 32768)
-    sizes = [len(long_ds[i]["input_ids"]) for i in range(len(long_ds))]
-    assert 1000 <= sum(sizes) / len(sizes) <= 2500 and min(sizes) >= 600
+    docs = [r for r in long if r.get("source") in ("book", "code")]
+    doc_sizes = [len(tok(r["text"])["input_ids"]) for r in docs]
+    assert min(doc_sizes) > 2 * STAGE_SEQ                       # the long-context part of stage 2
+    assert 1000 <= sum(doc_sizes) / len(doc_sizes) <= 2500
+    chats = [r for r in long if r.get("source") not in ("book", "code")]
+    for stage, recs, collator in (("long", chats, "long_data"), ("longcot", cot, "long_cot")):
+        # every chat and chain of thought trains whole at the stage's 512 tokens: each answer and
+        # its end of turn (at most the trainer's prompt cap shortens a long question)
+        for rec in recs:
+            whole = inspect_record(rec, tok, collator, 32768)
+            at_stage = inspect_record(rec, tok, collator, STAGE_SEQ)
+            assert at_stage["end_of_turn_trained"] and at_stage["trained"] == whole["trained"] >= 8, (stage, rec)
+        # their questions fill both of eval's buckets at 512 tokens (256 and 512)
+        sizes = [len(p.ids) for rec in recs for p in record_prompts(rec, "x", tok, [256, 512], ())]
+        assert len(sizes) == len(recs) and max(sizes) <= STAGE_SEQ
+        assert sum(n <= 256 for n in sizes) >= len(sizes) // 5 and sum(n > 256 for n in sizes) >= len(sizes) // 5
 
     assert {tuple(sorted(r)) for r in cot} == {("problem", "qwq"), ("prompt", "response")}
-    cot_ds = build_dataset(tiny["data"]["longcot"], tok, "long_cot", 32768)
+    cot_ds = build_dataset(tiny["data"]["longcot"], tok, "long_cot", STAGE_SEQ)
     trained = [int((cot_ds[i]["labels"] != -100).sum()) for i in range(len(cot_ds))]
-    assert min(trained) >= 150 and cot_ds.num_tokens > 20_000  # every answer is a long one
+    assert min(trained) >= 80 and cot_ds.num_tokens > 20_000  # answers of 90-470 tokens
+
+
+def test_pretrain_corpus_is_the_targets_own():
+    """The stage files' lengths are the demo's; the corpus the target is trained on stays the one
+    TINY_VERSION names (a change to it must bump TINY_VERSION and this digest)."""
+    corpus = pretrain_corpus(random.Random(1), 300, 5)
+    digest = hashlib.sha256(json.dumps(corpus).encode()).hexdigest()
+    assert CORPUS_SHA256.get(TINY_VERSION) == digest
 
 
 def test_seed_changes_data_not_target(tiny, tmp_path):
