@@ -129,9 +129,10 @@ def agreement_counts(module, batches: list[tuple[Any, Any]], gamma: int, device)
             rope = target.rotary(pos, hidden)
             outs = draft_all_lags(draft, hidden, tgt.k, tgt.v, rope, mask, gamma)
             keep = real & (t.unsqueeze(0) >= gamma)                                # (B, T)
-            if not bool(keep.any()):
-                continue
+            # Every rank enters the gather (a ZeRO-3 collective), a stand-in batch with nothing to count too.
             with gathered(target.lm_head.weight) as w:
+                if not bool(keep.any()):
+                    continue
                 want = _argmax(tgt.last_hidden[keep], w)                          # (N,)
                 for k, h in enumerate(outs):
                     counts[0, k] += float((_argmax(h[keep], w) == want).sum())
