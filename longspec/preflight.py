@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from longspec import outputs
-from longspec.data import load_tokenizer
 from longspec.dist import print0, rank
 from longspec.entry import TrainError
 from longspec_cli.core import runfolder
@@ -79,6 +78,8 @@ def preflight(conf: dict[str, Any]) -> Preflight:
     draft_state, draft_sha = None, None
     if conf["draft_model_name_or_path"] is not None:
         draft_state, draft_sha = load_draft(Path(conf["draft_model_name_or_path"]), tcfg, conf)
+
+    from longspec.data import load_tokenizer     # torch: imported once the stop-signal watcher runs
 
     tokenizer = load_tokenizer(conf["model_name_or_path"])     # DataError: no usable tokenizer
     dataset = prepared_dataset(conf, train_file, tokenizer)

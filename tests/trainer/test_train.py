@@ -750,3 +750,12 @@ def test_simulated_tau_agrees_with_evals_chain_tau_on_the_heldout_records(base_r
     assert last["step"] == BASE_STEPS and sim["trained"] == pytest.approx(last["tau"], abs=2e-3)
     assert sim["trained"] > sim["broken"] and ev["trained"] > ev["broken"], (sim, ev)       # the same order
     assert 0.6 <= sim["trained"] / ev["trained"] <= 1.4, (sim, ev)
+
+
+def test_importing_the_trainer_loads_no_torch_before_the_stop_signal_watcher():
+    # main() installs the watcher (SIGTERM blocked, taken by one thread) before torch starts its
+    # threads; a module-level torch import anywhere on train's import path would break that.
+    code = "import sys, longspec.train; print(sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
