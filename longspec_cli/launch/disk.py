@@ -10,7 +10,8 @@ What the trainer writes (longspec/train.py, longspec/checkpoint.py), per checkpo
                                               without ZeRO: the 2 moments (+ an fp32 master in bf16/fp16)
     ds/zero_to_*.py, checkpoint.json          ~50 KB
 The newest checkpoint is complete before the oldest beyond save_total_limit is removed, so the
-peak is (save_total_limit + 1) checkpoints; plus the final weights (.pth + .safetensors).
+peak is (save_total_limit + 1) checkpoints; plus the final weights (.pth + .safetensors), and the
+best draft (best/: the same two files) when the simulated-tau evaluation is on (eval_steps > 0).
 The model sizes come from longspec_cli.launch.memory (one owner of the parameter counts).
 """
 
@@ -32,24 +33,28 @@ class DiskEstimate:
     final: int             # final weights
     free: int | None       # free bytes on output_dir's filesystem
     where: str             # the folder whose filesystem was measured
+    best: int = 0          # best/: the draft with the highest simulated tau (0 when that is off)
 
     @property
     def total(self) -> int:
-        return self.checkpoint * self.kept + self.final
+        return self.checkpoint * self.kept + self.final + self.best
+
+    def _parts(self) -> str:
+        best = f" + best draft {human(self.best)}" if self.best else ""
+        return f"{self.kept} checkpoint(s) x {human(self.checkpoint)} + final weights {human(self.final)}{best}"
 
     @property
     def fits(self) -> bool:
         return self.free is None or self.total <= self.free
 
     def line(self) -> str:
-        return (f"disk estimate: {human(self.total)} ({self.kept} checkpoint(s) x {human(self.checkpoint)} "
-                f"+ final weights {human(self.final)}); {human(self.free)} free on the disk of {self.where}")
+        return f"disk estimate: {human(self.total)} ({self._parts()}); {human(self.free)} free on the disk of {self.where}"
 
     def warning(self) -> str | None:
         if self.fits:
             return None
-        return (f"the run needs ~{human(self.total)} on disk ({self.kept} checkpoint(s) x {human(self.checkpoint)} "
-                f"+ final weights {human(self.final)}) but the disk of {self.where} has {human(self.free)} free; "
+        return (f"the run needs ~{human(self.total)} on disk ({self._parts()}) but the disk of {self.where} "
+                f"has {human(self.free)} free; "
                 f"it would fail part-way. Free some space, lower save_total_limit, or choose another output_dir")
 
 
@@ -77,9 +82,10 @@ def checkpoints_kept(save_total_limit: int | None, max_steps: int | None, save_s
 
 
 def estimate(shape: StageShape, output_dir, *, save_total_limit: int | None, max_steps: int | None,
-             save_steps: int | None) -> DiskEstimate:
+             save_steps: int | None, keeps_best: bool = False) -> DiskEstimate:
     total, _ = shape.size.draft_params()
     final = 2 * total * PRECISION_BYTES[shape.precision]
     return DiskEstimate(checkpoint=checkpoint_bytes(shape),
                         kept=checkpoints_kept(save_total_limit, max_steps, save_steps),
-                        final=final, free=free_bytes(output_dir), where=str(output_dir))
+                        final=final, free=free_bytes(output_dir), where=str(output_dir),
+                        best=final if keeps_best else 0)

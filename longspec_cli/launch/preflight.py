@@ -143,7 +143,8 @@ def disk_reports(manifest: Manifest, todo: list[StagePlan], overrides: list[str]
             continue
         num = lambda k: data.get(k) if isinstance(data.get(k), int) and not isinstance(data.get(k), bool) else None  # noqa: E731
         est = D.estimate(shape, p.spec.output_dir, save_total_limit=num("save_total_limit"),
-                         max_steps=num("max_steps"), save_steps=num("save_steps"))
+                         max_steps=num("max_steps"), save_steps=num("save_steps"),
+                         keeps_best=bool(num("eval_steps")) and bool(num("eval_tokens")))
         try:
             dev = existing_parent(p.spec.output_dir).stat().st_dev
         except OSError:

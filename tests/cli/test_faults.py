@@ -151,10 +151,14 @@ def small_disk(folder: Path, size: str):
 
 def test_disk_preflight_warns_in_validate_refuses_run_and_shows_in_dry_run(tmp_path):
     proj = tiny(tmp_path)
-    steps = ["max_steps=6", "save_steps=2"]
-    res = cli("run", str(proj), "base", *steps, "--dry-run", env=cpu_env())
+    res = cli("run", str(proj), "base", "max_steps=6", "save_steps=2", "--dry-run", env=cpu_env())
     line = next(x for x in res.stdout.splitlines() if x.startswith("# disk estimate:"))
     assert res.returncode == 0 and "(3 checkpoint(s) x 1.1 MiB + final weights" in line and "free on the disk" in line
+    assert "+ best draft" in line                       # best/ is kept while the simulated tau is on
+    steps = ["max_steps=6", "save_steps=2", "eval_steps=0"]
+    res = cli("run", str(proj), "base", *steps, "--dry-run", env=cpu_env())
+    line = next(x for x in res.stdout.splitlines() if x.startswith("# disk estimate:"))
+    assert res.returncode == 0 and "best draft" not in line
     with small_disk(proj / "runs", "1500k"):
         res = cli("validate", str(proj))
         assert res.returncode == 0 and "would fail part-way" in flat(res.stdout), res.stdout
@@ -186,7 +190,8 @@ def test_a_full_disk_says_where_and_what_a_rerun_resumes_from(tmp_path):
     proj = tiny(tmp_path)
     with small_disk(proj / "runs", "1500k") as runs:
         out = runs / "base"
-        steps = ["max_steps=6", "save_steps=2"]  # one checkpoint is ~1.1 MiB: the second cannot fit
+        # one checkpoint is ~1.1 MiB: the second cannot fit (no best/ draft: the disk fills at a checkpoint)
+        steps = ["max_steps=6", "save_steps=2", "eval_steps=0"]
         res = cli("run", str(proj), "base", *steps, "--force", "--quiet", env=cpu_env(), timeout=600)
         err = flat(res.stderr)
         assert res.returncode == 4, res.stdout[-2000:] + res.stderr[-2000:]
