@@ -19,10 +19,9 @@ error naming FILE:LINE (exit 3).
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from longspec.prompts import SYSTEM_PROMPT, Prompt, PromptError, end_of_turn_ids
+from longspec.prompts import SYSTEM_PROMPT, Prompt, PromptError, end_of_turn_ids, read_prompt_file
 
 LONGBENCH_SOURCE = "LongBench's data.zip from huggingface.co/datasets/THUDM/LongBench (data/<task>.jsonl)"
 AIME_SOURCE = "an AIME problem set, e.g. huggingface.co/datasets/AI-MO/aimo-validation-aime, saved as JSONL"
@@ -54,26 +53,7 @@ def parse_bench(spec: str) -> tuple[str, Path]:
 
 def _jsonl(path: Path):
     """(line, object) of a JSONL file (or items of a JSON list); PromptError 3 naming FILE:LINE."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise PromptError(f"{path}: cannot read ({e})", 3) from None
-    if text.lstrip().startswith("["):
-        try:
-            items = json.loads(text)
-        except ValueError as e:
-            raise PromptError(f"{path}: not valid JSON ({e})", 3) from None
-        numbered = list(enumerate(items, 1))
-    else:
-        numbered = []
-        for i, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                numbered.append((i, json.loads(line)))
-            except ValueError as e:
-                raise PromptError(f"{path}:{i}: not valid JSON ({e.msg})", 3) from None
-    for i, obj in numbered:
+    for i, obj in read_prompt_file(path):
         if not isinstance(obj, dict):
             raise PromptError(f"{path}:{i}: expected a JSON object, got {type(obj).__name__}", 3)
         yield i, obj
@@ -82,7 +62,12 @@ def _jsonl(path: Path):
 def _chat(tokenizer, user: str, lead: str) -> list[int]:
     msgs = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        from longspec.chat import ChatError, render
+
+        try:
+            text = render(tokenizer, msgs, generation_prompt=True)
+        except ChatError as e:
+            raise PromptError(str(e), 3) from None
         return tokenizer(text + lead, add_special_tokens=False)["input_ids"]
     return tokenizer(f"{SYSTEM_PROMPT}\n\n{user}\n\n{lead}")["input_ids"]
 
