@@ -8,7 +8,8 @@ a busy machine moves both alike.
 
 warm: the composition cache filled (an earlier command composed the stages); cold: an empty cache
 folder (LONGSPEC_CACHE_DIR) for every run, so every stage is composed with Hydra.
-Wall-time ratios are the goals; CPU-time ratios (user + sys of the child over the floor's) are
+A reference line times Hydra alone composing the three stages (nothing else), the least a
+Hydra-exact cold `validate` can cost. Wall-time ratios are the goals; CPU-time ratios (user + sys of the child over the floor's) are
 printed beside them, steadier when the machine is shared. Goals: `--help` <= 2x (and no Hydra imported); status, validate, config, next-stage --dry-run
 <= 3x warm; validate <= 5x cold. The project is written by hand (docs/DESIGN.md layout) in a temp
 folder with a finished `base` stage, so next-stage has a draft to verify and a line to change. With
@@ -118,6 +119,17 @@ def time_once(cmd: list[str], env: dict) -> tuple[float, int, float]:
 
 FLOOR = [sys.executable, "-c", "import typer, ruamel.yaml"]
 
+# What any Hydra-exact check of the project pays: the floor, then the three stages composed by
+# Hydra's own compose_config (longspec's one-call wrapper), one Hydra set-up, nothing else.
+HYDRA_ALONE = """
+import sys
+import typer, ruamel.yaml
+from pathlib import Path
+from longspec_cli.core.hydracompose import hydra_compose, trainer_conf_dir
+for name in ("base", "long", "longcot"):
+    hydra_compose(trainer_conf_dir(), "config", [Path(sys.argv[1]) / "conf"], [f"+exp={name}"])
+"""
+
 
 def measure(cmd: list[str], env: dict, runs: int, cache: Path | None, floors: list[tuple[float, float]]) -> dict:
     """Median wall/CPU of `cmd` over `runs`; `cache` set: an empty cache folder for every run (cold).
@@ -174,6 +186,7 @@ def main() -> int:
             warm = measure(base + argv, env, args.runs, None, floors)
             cold = measure(base + argv, env, args.runs, tmp / "cold-cache", floors)
             rows.append((label, warm, cold, goal_warm, goal_cold))
+        hydra_alone = measure([sys.executable, "-c", HYDRA_ALONE, str(proj)], env, args.runs, None, floors)
         floor = statistics.median(w for w, _ in floors)
         floor_cpu = statistics.median(c for _, c in floors)
         print(f"floor `python -c \"import typer, ruamel.yaml\"`: median {floor:.3f} s wall, {floor_cpu:.3f} s cpu "
@@ -188,6 +201,10 @@ def main() -> int:
             print(f"{label:36s} {warm['median']:7.3f} {rw:7.2f} {mark(rw, goal_warm):>6s}   {cold['median']:7.3f} "
                   f"{rc:7.2f} {mark(rc, goal_cold):>6s}   {warm['cpu'] / floor_cpu:5.2f} / {cold['cpu'] / floor_cpu:5.2f}"
                   f"          {','.join(map(str, sorted(warm['codes'] | cold['codes'])))}")
+        h = hydra_alone["median"]
+        validate_cold = rows[1][2]["median"]
+        print(f"(reference) Hydra alone, the three stages composed and nothing else: {h:.3f} s = {h / floor:.2f}x "
+              f"floor; `validate DIR` cold is {validate_cold / h:.2f}x that")
         print(f"goals missed: {over} (`!` marks them); cpu count {os.cpu_count()}, "
               f"load average {os.getloadavg()[0]:.2f}")
         return 0
