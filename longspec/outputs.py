@@ -77,12 +77,14 @@ class RunWriter:
             (self.dir / runfolder.STAGE_COMPLETE).unlink(missing_ok=True)
 
     def write_stage_complete(self, *, stage: str, steps: int, final_loss: float | None, target: str,
-                             config_sha256: str, draft_sha256: str | None, weights: Path) -> dict:
+                             config_sha256: str, draft_sha256: str | None, weights: Path,
+                             math: dict[str, Any] | None = None) -> dict:
         info = {
             "stage": stage, "steps": int(steps), "final_loss": _finite(final_loss),
             "sha256": sha256_file(weights), "target": target, "config_sha256": config_sha256,
             "draft_sha256": draft_sha256, "finished_at": now_iso(),
             "weights": weights.name if weights.parent == self.dir else str(weights),
+            **({"math": math} if math is not None else {}),  # what `status` compares after an edit
         }
         if self.enabled:
             atomic_write_json(self.dir / runfolder.STAGE_COMPLETE, info)

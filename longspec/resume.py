@@ -1,10 +1,12 @@
 """Which checkpoint a run resumes from, and which config changes may resume it (docs/DESIGN.md).
 
     decide_resume(out, origin, conf)  the newest complete checkpoint, None (start), or TrainError
-    math_config(conf)                 the keys that change what training computes, saved in checkpoint.json
 
-Math keys (model, data, optimiser, schedule, precision, seeds: everything not listed below) must be
-what the checkpoint was trained with, or two runs would be mixed. Non-math keys (saving, logging,
+Which keys are math is longspec_cli.core.mathkeys (`status` asks the same question of a finished
+stage).
+
+Math keys (model, data, optimiser, schedule, precision, seeds) must be what the checkpoint was
+trained with, or two runs would be mixed. Non-math keys (saving, logging,
 tracking, eval, kernels, the stage's label) never block a resume. The schedule's length
 (`max_steps`, `num_train_epochs`) is math, with one way through: `resume_schedule=stretch` resumes
 and recomputes warm-up and decay for the new total, so the learning rate continues on the new
@@ -18,51 +20,7 @@ from typing import Any
 
 from longspec import outputs
 from longspec.entry import TrainError
-
-# dotted keys (a key covers everything under it) whose value never changes what is trained
-NON_MATH_KEYS = (
-    "stage", "output_dir", "force", "resume_schedule",                  # names and instructions
-    "save_steps", "save_total_limit",                                   # saving
-    "logging_steps", "logging",                                         # logging, tracking
-    "kernels", "loss_chunk_size",                                       # how it is computed, not what
-    "ds_cfg.steps_per_print", "ds_cfg.wall_clock_breakdown",            # DeepSpeed's own logging
-    "ds_cfg.tensorboard", "ds_cfg.wandb", "ds_cfg.csv_monitor", "ds_cfg.flops_profiler",
-    "eval", "hydra",
-)
-NON_MATH_PREFIXES = ("eval_",)                                          # eval_* keys: measuring, not training
-SCHEDULE_LENGTH_KEYS = ("max_steps", "num_train_epochs")
-
-
-def is_math_key(dotted: str) -> bool:
-    if dotted.split(".")[0].startswith(NON_MATH_PREFIXES):
-        return False
-    return not any(dotted == k or dotted.startswith(k + ".") for k in NON_MATH_KEYS)
-
-
-def math_config(conf: dict[str, Any]) -> dict[str, Any]:
-    """dotted key -> value of every math leaf of the resolved config (lists are one leaf)."""
-    out: dict[str, Any] = {}
-
-    def walk(node: dict, prefix: str) -> None:
-        for k, v in node.items():
-            dotted = f"{prefix}.{k}" if prefix else str(k)
-            if not is_math_key(dotted):
-                continue
-            if isinstance(v, dict) and v:
-                walk(v, dotted)
-            else:
-                out[dotted] = v
-
-    walk(conf, "")
-    return out
-
-
-def differences(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:
-    return sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k, "<unset>") != ours.get(k, "<unset>"))
-
-
-def _show(theirs: dict, ours: dict, keys: list[str]) -> str:
-    return ", ".join(f"{k} {theirs.get(k, '<unset>')!r} -> {ours.get(k, '<unset>')!r}" for k in keys)
+from longspec_cli.core.mathkeys import SCHEDULE_LENGTH_KEYS, differences, math_config, show_changes
 
 
 def decide_resume(out: outputs.RunWriter, origin, conf: dict[str, Any]):
@@ -87,17 +45,17 @@ def decide_resume(out: outputs.RunWriter, origin, conf: dict[str, Any]):
     changed = differences(saved, ours)
     other = [k for k in changed if k not in SCHEDULE_LENGTH_KEYS]
     if other:
-        raise TrainError(f"{where}: {_show(saved, ours, other)} change what is trained; resuming would mix "
+        raise TrainError(f"{where}: {show_changes(saved, ours, other)} change what is trained; resuming would mix "
                          "two runs",
                          hint=f"set them back to resume from checkpoint-{newest.step} (its checkpoints are "
                               f"kept), or choose another output_dir; {start_over}")
     if changed and conf.get("resume_schedule") != "stretch":
-        raise TrainError(f"{where}: the schedule's length changed ({_show(saved, ours, changed)})",
+        raise TrainError(f"{where}: the schedule's length changed ({show_changes(saved, ours, changed)})",
                          hint=f"resume_schedule=stretch resumes from checkpoint-{newest.step} with warm-up and "
                               "decay recomputed for the new length (the learning rate continues on the new "
                               f"curve from step {newest.step}); or set it back; {start_over}")
     if os.environ.get("RANK", "0") == "0":
-        what = (f"the schedule stretched to the new length ({_show(saved, ours, changed)})" if changed
+        what = (f"the schedule stretched to the new length ({show_changes(saved, ours, changed)})" if changed
                 else "only keys that do not change what is trained differ")
         print(f"[{conf.get('stage')}] resuming checkpoint-{newest.step} of a changed config: {what}", flush=True)
     return newest

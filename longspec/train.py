@@ -39,8 +39,9 @@ from longspec.entry import TrainError, implied_config_dir, make_hydra_entry, rea
 from longspec.preempt import EXIT_PREEMPTED, WATCH
 from longspec.preflight import (DTYPES, Origin, Preflight, config_origin, cpu_adam_error, preflight,
                                 training_config_yaml, wants_offload)
-from longspec.resume import decide_resume, math_config
+from longspec.resume import decide_resume
 from longspec_cli.core import runfolder
+from longspec_cli.core.mathkeys import math_config
 
 # ----------------------------------------------------------------------------- the run
 
@@ -385,7 +386,7 @@ class Session:
                 stage=self.conf["stage"], steps=self.step, final_loss=self.last_loss,
                 target=str(Path(self.conf["model_name_or_path"]).resolve()),
                 config_sha256=self.origin.config_sha256, draft_sha256=self.pre.draft_sha256,
-                weights=weights)
+                weights=weights, math=math_config(self.conf))
             print0(f"[{self.conf['stage']}] done: {self.step} steps, final loss "
                    f"{self.last_loss if self.last_loss is None else round(self.last_loss, 4)}, {weights}")
         torch.distributed.barrier()

@@ -3,7 +3,8 @@
 States (docs/DESIGN.md): done, stale, running, failed, pending. Order of the checks:
   running  run.json names a live pid on this host whose start time matches `proc_start`
   done     stage_complete.json present and the weights' sha256 matches it
-  stale    done, but the config fingerprint changed, or the input draft differs from the
+  stale    done, but the config changed in a key that changes what is trained (core.mathkeys;
+           an edit of logging or saving keys leaves it done), or the input draft differs from the
            upstream stage's current final draft, or the upstream stage is itself not done
   failed   the last lifecycle event is `error`, or run.json's process is gone without
            stage_complete.json, or the final weights no longer match stage_complete.json
@@ -204,6 +205,22 @@ def config_current(spec: StageSpec, complete: dict, overrides: list[str]) -> boo
         return None
 
 
+def math_changes(spec: StageSpec, complete: dict, overrides: list[str]) -> list[str] | None:
+    """The math keys (core.mathkeys) whose values differ between the finished run and the stage's
+    config composed now: [] when an edit touched only keys that do not change what is trained.
+    None when that cannot be told: the run recorded no `math`, or the stage does not compose."""
+    saved = complete.get("math")
+    if not isinstance(saved, dict):
+        return None
+    from longspec_cli.core.hydracompose import compose_stage, stage_overrides
+    from longspec_cli.core.mathkeys import differences, math_config
+
+    c = compose_stage(spec.config, stage_overrides(spec.output_dir, overrides))
+    if not c.ok or c.missing:
+        return None
+    return differences(saved, math_config(c.data))
+
+
 def upstream_weights(upstream: StageStatus, pick: str) -> str | None:
     """The upstream's draft a stage starts from: its final weights, or its best/ ones (pick "best")."""
     return upstream.best_weights if pick == "best" else upstream.draft_weights
@@ -236,8 +253,14 @@ def _check_stale(st: StageStatus, spec: StageSpec, complete: dict, info: dict | 
     if same_config is None:
         st.reasons.append(f"config {spec.config} is missing; cannot check whether it changed")
     elif not same_config:
-        st.state = "stale"
-        st.reasons.append(f"config changed since the run ({spec.config.name})")
+        changed = math_changes(spec, complete, overrides)
+        if changed == []:
+            st.reasons.append(f"{spec.config.name} was edited since the run, in keys that do not change what "
+                              "is trained only: still done")
+        else:
+            st.state = "stale"
+            keys = f": {', '.join(changed[:4])}{', ...' if len(changed) > 4 else ''}" if changed else ""
+            st.reasons.append(f"config changed since the run ({spec.config.name}{keys})")
     if not draft_current(complete, upstream, spec.draft_pick):
         st.state = "stale"
         st.reasons.append(f"upstream stage {upstream.name} is {upstream.state}" if upstream.state != "done"

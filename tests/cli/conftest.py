@@ -180,10 +180,13 @@ def write_checkpoint(out: Path, step: int, complete: bool = True, weights: bytes
 
 
 def finish_stage(project: Project, stage: str, weights: bytes, *, steps: int = 40,
-                 draft_sha256: str | None = "auto", overrides: list[str] | None = None) -> dict:
+                 draft_sha256: str | None = "auto", overrides: list[str] | None = None,
+                 math: bool = False) -> dict:
     """A contract-true finished run folder: metrics, a checkpoint, weights, stage_complete.json.
 
     draft_sha256="auto": the upstream stage's current final sha256 (what a chained run records).
+    math: record the math keys as the trainer does (of the stage composed now; the slow trainer
+    test checks that the trainer's own record equals this composition's).
     """
     out = project.out(stage)
     write_metrics(out, steps, steps)
@@ -202,6 +205,13 @@ def finish_stage(project: Project, stage: str, weights: bytes, *, steps: int = 4
         "target": str(project.target), "config_sha256": config_fingerprint(project.config(stage), overrides or []),
         "draft_sha256": draft_sha256, "finished_at": "2024-01-01T00:00:00Z", "weights": "draft_model_weights.pth",
     }
+    if math:
+        from longspec_cli.core.hydracompose import compose_stage, stage_overrides
+        from longspec_cli.core.mathkeys import math_config
+
+        composed = compose_stage(project.config(stage), stage_overrides(out, overrides or []))
+        assert composed.ok, composed.problems
+        complete["math"] = math_config(composed.data)
     (out / "stage_complete.json").write_text(json.dumps(complete, indent=2))
     return complete
 

@@ -74,6 +74,28 @@ def test_editing_a_config_makes_that_stage_and_later_ones_stale(project, drafts)
     assert "would re-run long" in res.output
 
 
+def test_an_edit_of_keys_that_do_not_change_training_leaves_the_stage_done(project, drafts):
+    finish_stage(project, "base", drafts["0"], math=True)
+    cfg = project.config("base")
+    text = cfg.read_text()
+    cfg.write_text(text + "# a comment\nlogging_steps: 7\nsave_total_limit: 1\neval_steps: 3\n")
+    s = _status(project)["base"]
+    assert s["state"] == "done" and s["next_action"] == "skip (done)"
+    assert any("do not change what is trained" in r for r in s["reasons"]), s["reasons"]
+
+    cfg.write_text(text.replace("learning_rate: 5.0e-4", "learning_rate: 1.0e-4") + "logging_steps: 7\n")
+    s = _status(project)["base"]
+    assert s["state"] == "stale" and "config changed since the run (base.yaml: learning_rate)" in s["reasons"]
+
+
+def test_a_run_that_recorded_no_math_keys_is_stale_after_any_edit(project, drafts):
+    finish_stage(project, "base", drafts["0"])  # stage_complete.json of an older trainer: no `math`
+    cfg = project.config("base")
+    cfg.write_text(cfg.read_text() + "logging_steps: 7\n")
+    s = _status(project)["base"]
+    assert s["state"] == "stale" and "config changed since the run (base.yaml)" in s["reasons"]
+
+
 def test_overrides_recorded_in_run_json_are_part_of_the_fingerprint(project, drafts):
     finish_stage(project, "base", drafts["0"], overrides=["max_steps=40", "output_dir=/elsewhere"])
     assert _status(project)["base"]["state"] == "done"

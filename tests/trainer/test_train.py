@@ -467,6 +467,14 @@ def test_stage1_one_rank_zero1_trains_and_fills_the_run_folder(base_run):
     assert done["final_loss"] == pytest.approx(losses[-1])
     exp = base_run["conf"] / "exp" / "base.yaml"
     assert done["config_sha256"] == runfolder.config_fingerprint(exp, [])
+    # the math keys it records are the front end's composition of the stage file: `status` keeps
+    # the stage done after an edit of keys that do not change training, and names a math key otherwise
+    from longspec_cli.core.hydracompose import compose_stage
+    from longspec_cli.core.mathkeys import math_config
+
+    composed = compose_stage(exp, [])
+    assert composed.ok and done["math"] == math_config(composed.data)
+    assert done["math"]["learning_rate"] == 3.0e-3 and "logging_steps" not in done["math"]
     assert (run / "draft_model_weights.safetensors").is_file()
     state = load_draft_state(run / "draft_model_weights.pth")
     assert set(state) == set(fresh_draft_state(done["target"]))
