@@ -71,6 +71,11 @@ def _render(manifest, stages, plan: str) -> None:
     console = Console(soft_wrap=True)
     console.print(table)
     for st in stages:
+        if st.tau_by_length:
+            console.print(Text(f"  {st.name}: tau by prompt length "
+                               + ", ".join(f"{r['label']} {r['tau']:.2f}" + (f" (input draft {r['baseline_tau']:.2f})"
+                                                                             if r.get("baseline_tau") is not None else "")
+                                           for r in st.tau_by_length)))
         if st.sim_tau is not None:
             best = (f"; best/ {st.best_tau:.2f} at step {st.best_step}" if st.best_tau is not None else "")
             console.print(Text(f"  {st.name}: simulated tau {st.sim_tau:.2f} at step {st.sim_tau_step} (per position "

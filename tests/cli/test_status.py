@@ -321,3 +321,15 @@ def test_status_shows_the_tree_tau_next_to_the_chain_tau(project, drafts):
     assert s["base"]["tau"] == pytest.approx(2.31) and s["base"]["tree_tau"] == pytest.approx(3.47)
     res = runner.invoke(app, ["status", str(project.root)])
     assert "tree" in res.output and "3.47" in res.output and "x2.25" in res.output and "2.31" in res.output
+
+
+def test_status_shows_tau_by_prompt_length_beside_the_input_draft(project, drafts):
+    finish_chain(project, drafts)
+    bucket = lambda n, tau, base: {"length": n, "prompts": 4, "chain": {"tau": tau}, "baseline": {"tau": base}}  # noqa: E731
+    ev = {"stage": "long", "tau": 2.41, "gamma": 4, "lossless": True, "method": "chain",
+          "draft_sha256": project.sha("long"),
+          "by_length": [bucket(256, 2.30, 1.88), bucket(1024, 2.51, 1.74), {"length": 4096, "prompts": 0}]}
+    (project.out("long") / "eval.json").write_text(json.dumps(ev))
+    out = runner.invoke(app, ["status", str(project.root)], terminal_width=200).output
+    assert "long: tau by prompt length 256 2.30 (input draft 1.88), 1k 2.51 (input draft 1.74)" in out, out
+    assert "base: tau by prompt length" not in out and "4k" not in out
