@@ -65,7 +65,7 @@ def request_save(pgid: int) -> list[int]:
 
 
 def wait_group(pgid: int, timeout: float, reap: Callable[[], None] | None = None,
-               skip: Callable[[], bool] | None = None) -> bool:
+               skip: Callable[[], bool] | None = None, poll: float = 0.1) -> bool:
     """Wait until no process of the group is left; False on timeout (or when `skip` says so)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -75,7 +75,7 @@ def wait_group(pgid: int, timeout: float, reap: Callable[[], None] | None = None
             return True
         if skip and skip():
             return False
-        time.sleep(0.1)
+        time.sleep(poll)
     return not liveness.group_members(pgid)
 
 
@@ -104,15 +104,8 @@ def terminate_group(pgid: int, *, grace_int: float = GRACE_INT_S, grace_term: fl
             say(f"sending {signal.Signals(sig).name} to process group {pgid}")
         _signal_group(pgid, sig)
         last = signal.Signals(sig).name
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline:
-            if reap:
-                reap()
-            if not liveness.group_members(pgid):
-                return last
-            if skip and skip():
-                break
-            time.sleep(0.05)
+        if wait_group(pgid, grace, reap, skip, poll=0.05):
+            return last
     return last
 
 
