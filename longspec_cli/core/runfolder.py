@@ -266,10 +266,11 @@ class RunDir:
         return self._last_record(is_step_record)
 
     def last_simtau_record(self) -> dict | None:
-        """The last simulated-tau record (is_simtau_record), reading the file from the end."""
-        return self._last_record(is_simtau_record)
+        """The last simulated-tau record (is_simtau_record), reading the file from the end. Lines
+        without the word are not parsed: a run with no simulated tau costs a read, not a parse."""
+        return self._last_record(is_simtau_record, SIMTAU.encode())
 
-    def _last_record(self, wanted) -> dict | None:
+    def _last_record(self, wanted, marker: bytes = b"") -> dict | None:
         try:
             with open(self.metrics_path, "rb") as f:
                 size = f.seek(0, os.SEEK_END)
@@ -283,7 +284,7 @@ class RunDir:
                     # the first piece may be cut in the middle unless we reached the file start
                     candidates = lines if pos == 0 else lines[1:]
                     for raw in reversed(candidates):
-                        rec = parse_jsonl_line(raw) if raw.strip() else None
+                        rec = parse_jsonl_line(raw) if raw.strip() and marker in raw else None
                         if rec is not None and wanted(rec):
                             return rec
                     tail = lines[0] if pos > 0 else b""
