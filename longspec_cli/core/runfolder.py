@@ -248,17 +248,21 @@ class RunDir:
         return read_metrics(self.metrics_path)
 
     def events(self) -> list[dict]:
-        """Event records only; step lines are not JSON-parsed (a long run has many of them)."""
+        """Event records only; step lines are neither split out nor JSON-parsed (a long run has
+        many of them)."""
         try:
             data = self.metrics_path.read_bytes()
         except (FileNotFoundError, IsADirectoryError, PermissionError):
             return []
-        out = []
-        for raw in data.split(b"\n"):
-            if b'"event"' in raw:
-                rec = parse_jsonl_line(raw)
-                if rec is not None and "event" in rec:
-                    out.append(rec)
+        out, key = [], b'"event"'
+        at = data.find(key)
+        while at != -1:  # only the lines that name an event are cut out and parsed
+            start, end = data.rfind(b"\n", 0, at) + 1, data.find(b"\n", at)
+            end = len(data) if end == -1 else end
+            rec = parse_jsonl_line(data[start:end])
+            if rec is not None and "event" in rec:
+                out.append(rec)
+            at = data.find(key, end)
         return out
 
     def last_step_record(self) -> dict | None:
