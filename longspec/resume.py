@@ -20,7 +20,7 @@ from typing import Any
 
 from longspec import outputs
 from longspec.entry import TrainError
-from longspec_cli.core.mathkeys import SCHEDULE_LENGTH_KEYS, differences, math_config, show_changes
+from longspec_cli.core.mathkeys import differences, math_config, resume_blockers, show_changes
 
 
 def decide_resume(out: outputs.RunWriter, origin, conf: dict[str, Any]):
@@ -43,13 +43,13 @@ def decide_resume(out: outputs.RunWriter, origin, conf: dict[str, Any]):
                               f"output_dir; {start_over}")
     ours = math_config(conf)
     changed = differences(saved, ours)
-    other = [k for k in changed if k not in SCHEDULE_LENGTH_KEYS]
+    other, schedule = resume_blockers(saved, ours, conf.get("resume_schedule"))
     if other:
         raise TrainError(f"{where}: {show_changes(saved, ours, other)} change what is trained; resuming would mix "
                          "two runs",
                          hint=f"set them back to resume from checkpoint-{newest.step} (its checkpoints are "
                               f"kept), or choose another output_dir; {start_over}")
-    if changed and conf.get("resume_schedule") != "stretch":
+    if schedule:
         raise TrainError(f"{where}: the schedule's length changed ({show_changes(saved, ours, changed)})",
                          hint=f"resume_schedule=stretch resumes from checkpoint-{newest.step} with warm-up and "
                               "decay recomputed for the new length (the learning rate continues on the new "

@@ -14,13 +14,14 @@ EPILOG = """Examples:
 
   longspec status demo/longspec.yaml --json
 
-States: pending, running, done, stale (config or input draft changed since the run), failed.
+States: pending, running, queued or requeued (a SLURM job holds the stage: its job id is shown),
+done, stale (config or input draft changed since the run), preempted, failed.
 Each stage's data: ready (tokens, epochs the planned steps cover), missing, stale (train_file
 changed since `longspec prepare`) or corrupt; `run` prepares what is not ready.
 
 Exit codes: 0 ok, 2 no such project, 3 unreadable longspec.yaml."""
 
-STATE_STYLE = {"done": "green", "running": "cyan", "pending": "white", "stale": "yellow", "failed": "red", "preempted": "yellow"}
+STATE_STYLE = {"done": "green", "running": "cyan", "queued": "cyan", "requeued": "yellow", "pending": "white", "stale": "yellow", "failed": "red", "preempted": "yellow"}
 
 
 def status(
@@ -95,5 +96,5 @@ def _render_prepared(prepared: dict) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    app.command("status", help="Show each stage's state (pending/running/done/stale/preempted/failed) and the next step.",
+    app.command("status", help="Show each stage's state (pending/running/queued/requeued/done/stale/preempted/failed) and the next step.",
                 epilog=EPILOG)(status)

@@ -3,6 +3,7 @@
     math_config(conf)           dotted key -> value of every math leaf of a resolved config
     differences(theirs, ours)   the dotted keys whose values differ
     show_changes(theirs, ours, keys)   "key old -> new, ..." for a message
+    resume_blockers(saved, ours, resume_schedule)   what keeps a checkpoint from being resumed
 
 Math keys (model, data, optimiser, schedule, precision, seeds: everything not listed below) are
 what a checkpoint or a finished stage was trained with; a difference in any other key (saving,
@@ -60,3 +61,13 @@ def differences(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:
 
 def show_changes(theirs: dict, ours: dict, keys: list[str]) -> str:
     return ", ".join(f"{k} {theirs.get(k, UNSET)!r} -> {ours.get(k, UNSET)!r}" for k in keys)
+
+
+def resume_blockers(saved: dict[str, Any], ours: dict[str, Any], resume_schedule: Any) -> tuple[list[str], list[str]]:
+    """(math keys that refuse the resume, schedule-length keys that refuse it) between a checkpoint's
+    `math` and the config now: the schedule's length resumes only with resume_schedule=stretch.
+    The trainer (longspec.resume) and `run`'s planner both decide through this."""
+    changed = differences(saved, ours)
+    other = [k for k in changed if k not in SCHEDULE_LENGTH_KEYS]
+    schedule = [k for k in changed if k in SCHEDULE_LENGTH_KEYS and resume_schedule != "stretch"]
+    return other, schedule

@@ -1,10 +1,15 @@
 """Where each stage stands, from its run folder alone, and what `longspec run` would do next.
 
-States (docs/DESIGN.md): done, stale, running, failed, pending. Order of the checks:
-  running  run.json names a live pid on this host whose start time matches `proc_start`
+States (docs/DESIGN.md): done, stale, running, queued, requeued, failed, preempted, pending.
+Order of the checks:
+  running  the run record (core/runrecord.py) names a live run: a process group on this host whose
+           start time matches `proc_start`, or a running SLURM job whose step runs this stage
+  queued   a SLURM job that will run the stage is pending, or runs an earlier stage
+  requeued the stage's SLURM job saved a checkpoint and was requeued: it resumes the stage
   done     stage_complete.json present and the weights' sha256 matches it
-  stale    done, but the config changed in a key that changes what is trained (core.mathkeys;
-           an edit of logging or saving keys leaves it done), or the input draft differs from the
+  stale    done, but the config as composed now (the stage file, the files it includes, the
+           run's own overrides) differs in a key that changes what is trained (core.mathkeys; an
+           edit of logging or saving keys leaves it done), or the input draft differs from the
            upstream stage's current final draft, or the upstream stage is itself not done
   failed   the last lifecycle event is `error`, or run.json's process is gone without
            stage_complete.json, or the final weights no longer match stage_complete.json
@@ -21,7 +26,8 @@ from typing import Any
 from longspec_cli.core import runfolder
 from longspec_cli.core.manifest import Manifest, StageSpec, same_file
 
-STATES = ("pending", "running", "done", "failed", "stale", "preempted")
+STATES = ("pending", "running", "queued", "requeued", "done", "failed", "stale", "preempted")
+LIVE = ("running", "queued", "requeued")  # a live run (a process group, a SLURM job) owns the folder
 FINISHED = ("done", "stale")  # the stage has a final draft (stale: its inputs changed since)
 DRAFT_KEY = "draft_model_name_or_path"
 
@@ -59,6 +65,8 @@ class StageStatus:
     best_weights: str | None = None
     best_sha256: str | None = None
     draft_pick: str = "final"  # which draft of draft_from the stage starts from (longspec.yaml)
+    where: str | None = None  # what runs it (or ran it last): "process 12 on h", "SLURM job 42 on node[1-2]"
+    job_id: str | None = None  # the SLURM job of the run record, if any
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -127,8 +135,9 @@ def stage_status(spec: StageSpec, upstream: StageStatus | None = None, root: Pat
     _progress(st, rd, complete, events)
     last_event = runfolder.last_lifecycle_event(events)
 
-    if info is not None and _running(info, st):
-        st.state = "running"
+    own = _owner(info, st)
+    if own is not None and own.live:
+        st.state = own.state
     elif complete is not None and st.sha256 is not None and st.sha256 == complete.get("sha256"):
         st.state = "done"
         _check_stale(st, spec, complete, info, upstream)
@@ -143,12 +152,13 @@ def stage_status(spec: StageSpec, upstream: StageStatus | None = None, root: Pat
     elif last_event is not None and last_event.get("event") == "error":
         st.state = "failed"
         st.reasons.append(f"error at step {last_event.get('step')}: {last_event.get('message', '?')}")
-    elif info is not None:
+    elif info is not None and not (info.get("kind") == "slurm" and info.get("phase") == "queued"):
         st.state = "failed"
-        how = ("stopped (Ctrl-C or `longspec stop`)" if info.get("interrupted")
+        how = ("stopped (Ctrl-C or `longspec stop`)" if info.get("interrupted") or info.get("stop_requested_at")
                else f"exited with code {info['returncode']}" if isinstance(info.get("returncode"), int)
                else "is gone")
-        st.reasons.append(f"process {info.get('pid')} {how} and stage_complete.json was never written")
+        what = st.where or f"process {info.get('pid')}"
+        st.reasons.append(f"{what} {how} and stage_complete.json was never written")
     _next_action(st, rd, upstream)
     wanted = upstream_weights(upstream, spec.draft_pick) if upstream is not None else None
     if (st.action in ("start", "resume", "rerun") and wanted
@@ -187,13 +197,20 @@ def _progress(st: StageStatus, rd: runfolder.RunDir, complete: dict | None, even
                 break
 
 
-def _running(info: dict, st: StageStatus) -> bool:
-    from longspec_cli.core import liveness  # psutil: only when a run.json is there
+def _owner(info: dict | None, st: StageStatus):
+    """The run record's owner (core/runrecord.py); a run that cannot be checked counts as running."""
+    from longspec_cli.core import runrecord
 
-    alive = liveness.run_alive(info)
-    if alive is None:
-        st.reasons.append(f"started on host {liveness.other_host(info)}; its process cannot be checked from here")
-    return alive is not False
+    if info is None:
+        return None
+    own = runrecord.owner(info)
+    st.where, st.job_id = own.where or None, own.job_id
+    if own.state == "unknown":
+        st.reasons.append(f"{own.where}: {own.detail}")
+        return runrecord.Owner("running", own.where, own.detail, own.job_id)
+    if own.live:
+        st.reasons.append(f"{own.state}: {own.where}" + (f" ({own.detail})" if own.detail else ""))
+    return own
 
 
 def config_current(spec: StageSpec, complete: dict, overrides: list[str]) -> bool | None:
@@ -244,23 +261,43 @@ def _read_simtau(st: StageStatus, rd: runfolder.RunDir) -> None:
         st.best_weights, st.best_sha256 = best["weights"], best["sha256"]
 
 
-def _check_stale(st: StageStatus, spec: StageSpec, complete: dict, info: dict | None,
-                 upstream: StageStatus | None) -> None:
+def run_overrides(info: dict | None) -> list[str]:
+    """The overrides a stage's last run was launched with (its run record), [] when none or unreadable."""
     overrides = (info or {}).get("overrides") or []
     if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
-        overrides = []
-    same_config = config_current(spec, complete, overrides)
-    if same_config is None:
+        return []
+    return overrides
+
+
+def finished_changes(spec: StageSpec, complete: dict, overrides: list[str]) -> list[str] | None:
+    """The math keys in which the finished run differs from the stage composed now with `overrides`
+    (its file, every file it includes, the overrides): [] when none. None when that cannot be told
+    and the stage must count as changed: the run recorded no `math` and the file's fingerprint
+    differs, or the stage no longer composes. Raises OSError when the config file is missing."""
+    same = config_current(spec, complete, overrides)
+    if same is None:
+        raise FileNotFoundError(spec.config)
+    changed = math_changes(spec, complete, overrides)
+    if changed is not None:
+        return changed
+    return [] if same else None
+
+
+def _check_stale(st: StageStatus, spec: StageSpec, complete: dict, info: dict | None,
+                 upstream: StageStatus | None) -> None:
+    overrides = run_overrides(info)
+    try:
+        changed = finished_changes(spec, complete, overrides)
+    except OSError:
         st.reasons.append(f"config {spec.config} is missing; cannot check whether it changed")
-    elif not same_config:
-        changed = math_changes(spec, complete, overrides)
-        if changed == []:
-            st.reasons.append(f"{spec.config.name} was edited since the run, in keys that do not change what "
-                              "is trained only: still done")
-        else:
+    else:
+        if changed is None or changed:
             st.state = "stale"
             keys = f": {', '.join(changed[:4])}{', ...' if len(changed) > 4 else ''}" if changed else ""
             st.reasons.append(f"config changed since the run ({spec.config.name}{keys})")
+        elif config_current(spec, complete, overrides) is False:
+            st.reasons.append(f"{spec.config.name} was edited since the run, in keys that do not change what "
+                              "is trained only: still done")
     if not draft_current(complete, upstream, spec.draft_pick):
         st.state = "stale"
         st.reasons.append(f"upstream stage {upstream.name} is {upstream.state}" if upstream.state != "done"
@@ -272,8 +309,14 @@ def _next_action(st: StageStatus, rd: runfolder.RunDir, upstream: StageStatus | 
     if st.state == "done":
         st.next_action, st.action = "skip (done)", "skip"
         return
-    if st.state == "running":
-        st.next_action, st.action = "wait (running)", "wait"
+    if st.state in ("running", "queued"):
+        st.next_action, st.action = f"wait ({st.state}{' in SLURM job ' + st.job_id if st.job_id else ''})", "wait"
+        return
+    if st.state == "requeued":
+        ckpts = rd.checkpoints()
+        st.resume_step = ckpts[-1].step if ckpts else None
+        at = f"from step {st.resume_step}" if ckpts else "from the start"
+        st.next_action, st.action = f"wait (SLURM job {st.job_id} resumes it {at})", "wait"
         return
     if st.state == "stale":
         st.next_action, st.action = "re-run (stale)", "rerun"
@@ -297,7 +340,9 @@ def run_plan(stages: list[StageStatus]) -> str:
         if st.action == "skip":
             continue
         if st.action == "wait":
-            return f"{st.name} is running; `longspec run` would wait for it (watch it with `longspec monitor`)"
+            job = f" in SLURM job {st.job_id}" if st.job_id else ""
+            return (f"{st.name} is {st.state}{job}; `longspec run` refuses to start it again "
+                    "(watch it with `longspec monitor`, stop it with `longspec stop`)")
         if st.action == "blocked":
             return f"{st.name} waits for an earlier stage"
         if st.action == "resume":

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -131,63 +131,126 @@ def file_state(path: Path) -> tuple | None:
 
 
 def plan_stages(manifest: Manifest, req: RunRequest) -> list[StagePlan]:
-    """What each stage in scope will do. Raises RefusedError when a stage is running."""
-    from longspec_cli.core.status import FINISHED, config_current, draft_current, project_status
+    """What each stage this command runs will do (the stages in scope, in order).
+
+    Every stage is first judged by its own record (core.status: its run's own overrides). Those
+    that this command runs are then judged with the command's overrides: a finished one is done
+    when its math keys are unchanged and its input draft is its upstream's current one; an
+    interrupted one resumes unless its math keys changed (refused, keys named, checkpoints kept).
+    Raises RefusedError when a stage in scope is owned by a live run, when its upstream is not in
+    scope and not done, or when its checkpoints cannot be resumed with this config."""
+    from longspec_cli.core.status import FINISHED, LIVE, draft_current, finished_changes, project_status
 
     statuses = {s.name: s for s in project_status(manifest)}
+    scope = _scope(manifest, statuses, req)
     rerun: set[str] = set()  # stages that will produce a new draft in this invocation
+    kept: set[str] = set()  # finished stages in scope that stay as they are
     plans: list[StagePlan] = []
     for spec in manifest.stages:
+        if spec.name not in scope:
+            continue
         st = statuses[spec.name]
-        if st.state == "running":
-            plans.append(StagePlan(spec, "running", "; ".join(st.reasons)))
-            continue
-        complete = runfolder.RunDir(spec.output_dir).stage_complete()
-        same_config = complete is not None and config_current(spec, complete, req.overrides) is True
+        if st.state in LIVE:
+            _refuse_live(manifest, spec, st)
         up = statuses.get(spec.draft_from) if spec.draft_from else None
-        same_draft = up is None or (spec.draft_from not in rerun and complete is not None
-                                    and draft_current(complete, up, spec.draft_pick))
-        if st.state in FINISHED and same_config and same_draft:
-            plans.append(StagePlan(spec, "skip", "done, config unchanged"))
-            continue
-        if st.state in FINISHED:
-            why = []
-            if not same_config:
-                why.append("config or overrides changed")
-            if not same_draft:
-                why.append(f"{spec.draft_from} " + ("runs again" if spec.draft_from in rerun else "has a new draft"))
-            plans.append(StagePlan(spec, "rerun", ", ".join(why)))
+        if up is not None and up.name in kept:  # judged done with this command's overrides
+            up = replace(up, state="done")
+        if up is not None and spec.draft_from not in rerun and up.state != "done":
+            raise RefusedError(f"stage {spec.name} starts from {up.name}'s draft, but {up.name} is {up.state}"
+                               + (f" ({'; '.join(up.reasons)})" if up.reasons else ""),
+                               hint=f"run it first: `longspec run {manifest.root} {up.name}`, or "
+                                    f"`longspec run {manifest.root} {up.name} --all` for both")
+        complete = runfolder.RunDir(spec.output_dir).stage_complete() if st.state in FINISHED else None
+        if complete is not None:
+            why = _finished_reasons(spec, complete, req.overrides, finished_changes)
+            if spec.draft_from in rerun:
+                why.append(f"{spec.draft_from} runs first")
+            elif up is not None and not draft_current(complete, up, spec.draft_pick):
+                why.append(f"{up.name} has a new {spec.draft_pick} draft")
+            forced = req.force and req.stage == spec.name and not req.all
+            if not why and not forced:
+                plans.append(StagePlan(spec, "skip", "done, config unchanged"))
+                kept.add(spec.name)
+                continue
+            plans.append(StagePlan(spec, "rerun", ", ".join(why) or "--force"))
         elif spec.draft_from in rerun:
             plans.append(StagePlan(spec, "rerun" if runfolder.RunDir(spec.output_dir).exists() else "start",
                                    f"{spec.draft_from} runs first"))
-        elif st.action == "resume":
+        elif st.resume_step is not None and st.state in ("pending", "failed", "preempted"):
+            _check_resumable(manifest, spec, req.overrides)
             plans.append(StagePlan(spec, "resume", f"from step {st.resume_step}", st.resume_step))
         else:
             plans.append(StagePlan(spec, "start", "failed before" if st.state == "failed" else ""))
         rerun.add(spec.name)
-    return _in_scope(manifest, plans, req)
+    return plans
 
 
-def _in_scope(manifest: Manifest, plans: list[StagePlan], req: RunRequest) -> list[StagePlan]:
+def _scope(manifest: Manifest, statuses: dict, req: RunRequest) -> list[str]:
+    """The stages this command runs: STAGE, STAGE and those after it (--all), every stage (--all),
+    or else the first stage that its own record does not call done."""
+    names = [s.name for s in manifest.stages]
     if req.stage is not None:
-        manifest.index(req.stage)  # UsageError with "did you mean" for a bad name
-        chosen = [p for p in plans if p.spec.name == req.stage]
-        if req.all:
-            i = manifest.index(req.stage)
-            chosen = plans[i:]
-    elif req.all:
-        chosen = plans
-    else:
-        todo = next((p for p in plans if p.action != "skip"), None)
-        chosen = [todo] if todo else []
-    for p in chosen:
-        if p.action == "running":
-            info = runfolder.RunDir(p.spec.output_dir).run_info() or {}
-            raise RefusedError(f"stage {p.spec.name} is running (pid {info.get('pid')} on {info.get('host')})",
-                               hint=f"watch it with `longspec monitor`, or stop it with "
-                                    f"`longspec stop {manifest.root} {p.spec.name}`")
-    if req.force and req.stage is not None and not req.all:
-        for p in chosen:
-            if p.action == "skip":
-                p.action, p.reason = "rerun", "--force"
-    return chosen
+        i = manifest.index(req.stage)  # UsageError with "did you mean" for a bad name
+        return names[i:] if req.all else [req.stage]
+    if req.all:
+        return names
+    return next(([n] for n in names if statuses[n].action != "skip"), [])
+
+
+def _finished_reasons(spec: StageSpec, complete: dict, overrides: list[str], finished_changes) -> list[str]:
+    """Why a finished stage would train again with the command's overrides ([] = it is done)."""
+    from longspec_cli.core.mathkeys import UNSET, math_config
+
+    try:
+        changed = finished_changes(spec, complete, overrides)
+    except OSError:
+        return [f"{spec.config} is missing"]
+    if changed is None:
+        return ["config or overrides changed"]
+    if not changed:
+        return []
+    saved = complete.get("math") or {}
+    ours = math_config(composed(spec.config, tuple(_stage_overrides(spec, overrides))).data)
+    shown = [f"{k} {saved.get(k, UNSET)} -> {ours.get(k, UNSET)}" for k in changed[:3]]
+    return [f"changed since its run: {', '.join(shown)}{', ...' if len(changed) > 3 else ''}"]
+
+
+def _stage_overrides(spec: StageSpec, overrides: list[str]) -> list[str]:
+    from longspec_cli.core.hydracompose import stage_overrides
+
+    return stage_overrides(spec.output_dir, overrides)
+
+
+def _check_resumable(manifest: Manifest, spec: StageSpec, overrides: list[str]) -> None:
+    """Refuse, as the trainer would, a resume whose math keys changed (the checkpoints are kept)."""
+    from longspec_cli.core.mathkeys import math_config, resume_blockers, show_changes
+
+    newest = runfolder.RunDir(spec.output_dir).checkpoints()[-1]
+    saved = newest.info.get("math")
+    try:
+        if newest.info.get("config_sha256") == runfolder.config_fingerprint(spec.config, overrides):
+            return
+    except OSError:
+        return  # a missing config is validation's to report
+    if not isinstance(saved, dict):
+        return  # saved before checkpoints named their math keys: the trainer decides
+    c = composed(spec.config, tuple(_stage_overrides(spec, overrides)))
+    if not c.ok or c.missing:
+        return  # validation reports a stage that does not compose
+    ours = math_config(c.data)
+    other, schedule = resume_blockers(saved, ours, c.data.get("resume_schedule"))
+    if other or schedule:
+        keys = other or schedule
+        hint = (f"set them back to resume from checkpoint-{newest.step} (the checkpoints are kept), or "
+                f"choose another output_dir; force=true starts over")
+        if not other:
+            hint = f"resume_schedule=stretch resumes from checkpoint-{newest.step} on the new length; " + hint
+        raise RefusedError(f"stage {spec.name} cannot resume checkpoint-{newest.step}: "
+                           f"{show_changes(saved, ours, keys)} changed since it was saved", hint=hint)
+
+
+def _refuse_live(manifest: Manifest, spec: StageSpec, st) -> None:
+    where = st.where or "a live run"
+    raise RefusedError(f"stage {spec.name} is {st.state}: {where} owns {spec.output_dir}",
+                       hint=f"watch it with `longspec monitor {manifest.root}`, or stop it with "
+                            f"`longspec stop {manifest.root} {spec.name}`")

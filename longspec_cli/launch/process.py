@@ -28,8 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, TextIO
 
-from longspec_cli.core import liveness, runfolder
-from longspec_cli.core.atomic import atomic_write_json
+from longspec_cli.core import liveness, runfolder, runrecord
 from longspec_cli.core.tail import LineTail, last_lines
 from longspec_cli.errors import RefusedError
 from longspec_cli.launch.argv import INSTALL_HINT, LaunchCommand
@@ -220,14 +219,14 @@ def run_stage_process(cmd: LaunchCommand, output_dir: Path, stage: str, override
             except OSError as e:
                 raise RefusedError(f"cannot start {cmd.argv[0]}: {e.strerror or e}", hint=INSTALL_HINT) from None
             info = {
-                "pid": proc.pid, "pgid": proc.pid, "host": socket.gethostname(), "argv": cmd.argv,
+                "kind": runrecord.LOCAL, "pid": proc.pid, "pgid": proc.pid, "host": socket.gethostname(), "argv": cmd.argv,
                 "env": cmd.env, "started_at": utc_now(), "started_unix": time.time(),
                 "proc_start": liveness.proc_start_time(proc.pid),
                 "overrides": list(overrides), "stage": stage, "output_dir": str(output_dir),
                 "world_size": cmd.world_size, "launcher_pid": os.getpid(), **(extra_info or {}),
             }
             try:
-                atomic_write_json(output_dir / runfolder.RUN_INFO, info)
+                runrecord.write(output_dir, info)
             except OSError as e:
                 terminate_group(proc.pid, grace_int=1.0, grace_term=1.0, reap=proc.poll)
                 proc.wait()
@@ -245,7 +244,7 @@ def run_stage_process(cmd: LaunchCommand, output_dir: Path, stage: str, override
     final = final if final is not None and final.get("pid") == proc.pid else info
     result.stopped = bool(final.get("stop_requested_at"))
     try:
-        atomic_write_json(output_dir / runfolder.RUN_INFO, {
+        runrecord.write(output_dir, {
             **final, "ended_at": utc_now(), "ended_unix": ended_unix, "returncode": result.returncode,
             "interrupted": result.interrupted or result.stopped,
         })
