@@ -17,7 +17,10 @@ EPILOG = """Examples:
 
   longspec stop demo --save-timeout 1800
 
-The training ranks get SIGTERM: each finishes its optimizer step, saves a checkpoint and exits
+A stage run by a SLURM job (`run --slurm --submit`) is stopped through the scheduler: the job's
+batch shell and steps get SIGUSR1, the ranks save and the job ends without requeueing itself; a
+queued job, or one still running after --save-timeout, is cancelled (`--now`: at once).
+Otherwise the training ranks get SIGTERM: each finishes its optimizer step, saves a checkpoint and exits
 (`longspec run DIR` later resumes from it). If they have not ended after --save-timeout seconds,
 or with --now, the run's process group gets SIGINT, then SIGTERM, then SIGKILL (--timeout apart),
 until none of its processes is left. run.json must still name a live process of that run (pid,
@@ -38,7 +41,7 @@ def stop(
     """Stop a running training stage: save a checkpoint first (SIGTERM to the ranks), then stop."""
 
     def body() -> None:
-        from longspec_cli.core import runfolder
+        from longspec_cli.core import runfolder, runrecord
         from longspec_cli.core.manifest import load_manifest
         from longspec_cli.errors import RefusedError, UsageError
         from longspec_cli.launch import group
@@ -48,9 +51,10 @@ def stop(
         manifest = load_manifest(project_dir)
         specs = [manifest.stage(stage)] if stage else manifest.stages
         stopped, stale = [], []
+        stopped += _stop_jobs(manifest, specs, save=not now, save_timeout=save_timeout)
         for spec in specs:
             info, _ = runfolder.read_json(spec.output_dir / runfolder.RUN_INFO)
-            if info is None:
+            if info is None or runrecord.kind(info) == runrecord.SLURM:
                 continue
             outcome = group.stop_run(spec.output_dir, spec.name, grace_int=timeout, grace_term=timeout,
                                      say=typer.echo, save=not now, save_timeout=save_timeout)
@@ -74,6 +78,52 @@ def stop(
                                hint=f"`longspec status {manifest.root}` shows each stage's state")
 
     run_cli(body)
+
+
+def _stop_jobs(manifest, specs, *, save: bool, save_timeout: float) -> list[str]:
+    """Stop the live SLURM jobs that own the chosen stages; every stage a job holds is stopped with it."""
+    from longspec_cli.core import runrecord, scheduler
+    from longspec_cli.core.diskspace import resume_sentence
+    from longspec_cli.errors import RefusedError
+    from longspec_cli.launch.jobrecord import stop_job
+
+    jobs: dict[str, list] = {}
+    for spec in specs:
+        info = runrecord.read(spec.output_dir)
+        if runrecord.kind(info) != runrecord.SLURM:
+            continue
+        own = runrecord.owner(info)
+        if own.state == "unknown":
+            raise RefusedError(f"stage {spec.name}: {own.where}: {own.detail}",
+                               hint=f"run `longspec stop` where SLURM answers, or `scancel {own.job_id}`")
+        if own.live:
+            jobs.setdefault(own.job_id, [])
+    for spec in manifest.stages:  # every record of those jobs: none of them may requeue
+        info = runrecord.read(spec.output_dir)
+        if runrecord.kind(info) == runrecord.SLURM and str(info.get("job_id")) in jobs:
+            jobs[str(info["job_id"])].append((spec.name, spec.output_dir))
+    stopped = []
+    for job_id, records in jobs.items():
+        try:
+            res = stop_job(job_id, records, save=save, save_timeout=save_timeout, say=typer.echo)
+        except scheduler.SchedulerUnavailable as e:
+            raise RefusedError(f"SLURM job {job_id}: {e}", hint=f"`scancel {job_id}` stops it") from None
+        if res.saved:
+            saved_in = next((out for name, out in records if _last_event(out) == "preempted"), records[0][1])
+            typer.echo(f"stopped SLURM job {job_id} in {res.wall_s:.0f} s: checkpoint saved; "
+                       f"{resume_sentence(saved_in)}")
+        else:
+            typer.echo(f"stopped SLURM job {job_id} in {res.wall_s:.0f} s ({res.state}"
+                       f"{', cancelled' if res.cancelled else ''})")
+        stopped += res.stages
+    return stopped
+
+
+def _last_event(out) -> str | None:
+    from longspec_cli.core import runfolder
+
+    last = runfolder.last_lifecycle_event(runfolder.RunDir(out).events())
+    return None if last is None else last.get("event")
 
 
 def register(app: typer.Typer) -> None:

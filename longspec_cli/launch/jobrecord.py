@@ -1,4 +1,6 @@
-"""`python -m longspec_cli.launch.jobrecord`: the batch script's side of a stage's run record.
+"""A SLURM job's side of the run record: the batch script's entry points, the submission, `stop`.
+
+`python -m longspec_cli.launch.jobrecord`, from the batch script:
 
     begin OUTPUT_DIR --stage NAME     before the stage's step: phase running (job id, nodes, requeues)
     end OUTPUT_DIR --rc N             after it: phase ended, its exit code
@@ -6,8 +8,11 @@
                                       then ends without requeueing itself), else 1
 
 `record_submission` is `run --slurm --submit`'s side: every stage the job will run is recorded as
-queued under the job id, so `status`, `run` and `stop` see the job before it starts. The record's
-format and meaning belong to core/runrecord.py.
+queued under the job id, so `status`, `run` and `stop` see the job before it starts. `stop_job` is
+`longspec stop` for a job: the request is written into every record of the job (so the batch script
+does not requeue itself), then the job's batch shell and steps get SIGUSR1 (the ranks save at their
+step and exit 5), and the job is waited for; a queued job, `--now` or a save that takes too long is
+cancelled outright. The record's format and meaning belong to core/runrecord.py.
 """
 
 from __future__ import annotations
@@ -15,7 +20,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from longspec_cli.core import runrecord
 
@@ -25,6 +33,65 @@ def record_submission(stages: list[tuple[str, Path]], job_id: str, *, nodes: int
     for name, out in stages:
         runrecord.slurm_submitted(out, name, job_id, nodes=nodes, ranks_per_node=ranks_per_node,
                                   overrides=overrides, script=str(script))
+
+
+@dataclass
+class JobStop:
+    job_id: str
+    stages: list[str]  # the stages whose records name the job
+    saved: bool  # the job ended after its ranks saved (a `preempted` event), without being cancelled
+    cancelled: bool  # scancel ended it (queued, --now, or the save took too long)
+    state: str  # the job's state at the end ("gone" when the scheduler no longer knows it)
+    wall_s: float
+
+
+def stop_job(job_id: str, records: list[tuple[str, Path]], *, save: bool, save_timeout: float,
+             say: Callable[[str], None] = print, poll_s: float = 1.0) -> JobStop:
+    """Stop SLURM job `job_id`, whose run records are `records` [(stage, output_dir)]."""
+    from longspec_cli.core import scheduler
+
+    t0 = time.monotonic()
+    for _, out in records:
+        runrecord.update(out, stop_requested_at=runrecord.utc_now())
+    job = scheduler.job(job_id)
+    cancelled = False
+    if job is not None and job.alive and save and job.running:
+        say(f"SLURM job {job_id}: SIGUSR1 to its batch shell and steps; the ranks finish their optimizer step, "
+            f"save a checkpoint and stop (up to {save_timeout:.0f} s; `longspec stop --now` stops without saving)")
+        scheduler.cancel(job_id, "USR1", full=True)
+        job = _wait_job(job_id, save_timeout, poll_s)
+    if job is not None and job.alive:
+        if not save or not job.running:
+            say(f"SLURM job {job_id}: cancelling it" + (" (queued: nothing to save)" if not job.running else ""))
+        else:
+            say(f"SLURM job {job_id}: still running after {save_timeout:.0f} s; cancelling it")
+        if job.running:
+            scheduler.cancel(job_id, "KILL", full=True)
+        scheduler.cancel(job_id)
+        cancelled = True
+        job = _wait_job(job_id, 120.0, poll_s)
+    saved = not cancelled and any(_preempted(out) for _, out in records)
+    return JobStop(job_id, [name for name, _ in records], saved, cancelled,
+                   job.state if job is not None else "gone", time.monotonic() - t0)
+
+
+def _wait_job(job_id: str, timeout: float, poll_s: float):
+    """Until the job neither runs nor waits in the queue with a start ahead (bounded)."""
+    from longspec_cli.core import scheduler
+
+    deadline = time.monotonic() + timeout
+    while True:
+        job = scheduler.job(job_id)
+        if job is None or not job.alive or time.monotonic() >= deadline:
+            return job
+        time.sleep(poll_s)
+
+
+def _preempted(out: Path) -> bool:
+    from longspec_cli.core import runfolder
+
+    last = runfolder.last_lifecycle_event(runfolder.RunDir(out).events())
+    return last is not None and last.get("event") == "preempted"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -178,7 +178,8 @@ def process_gone(stage: str, run_info: Mapping[str, Any] | None, alive: bool | N
     """`alive`: None when the process runs on another host and cannot be checked from here."""
     if run_info is None or complete or alive is not False:
         return None
-    pid = run_info.get("pid", "?")
+    what = (f"SLURM job {run_info.get('job_id')}" if run_info.get("kind") == "slurm"
+            else f"training process {run_info.get('pid', '?')}")
     return Alert(ERROR, "process_gone", stage,
-                 f"{stage}: training process {pid} is gone and wrote no stage_complete.json; "
+                 f"{stage}: {what} is gone and wrote no stage_complete.json; "
                  "read train.log, then `longspec run` resumes from the last checkpoint")

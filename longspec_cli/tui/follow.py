@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from longspec_cli.core import liveness, runfolder
+from longspec_cli.core import runfolder, runrecord
 from longspec_cli.core.manifest import Manifest, StageSpec, load_manifest
 from longspec_cli.tui import alerts as A
 from longspec_cli.tui.series import ChartData, Series, finite_or_nan
@@ -228,7 +228,10 @@ class StageFollow:
         return force
 
     def _alive(self) -> bool | None:
-        return liveness.run_alive(self.run_info)
+        """A live run owns the folder (True), none does (False), or it cannot be told from here (None):
+        a process group, or a SLURM job queued, running or requeued (core/runrecord.py)."""
+        own = runrecord.owner(self.run_info)
+        return None if own.state == "unknown" else own.live
 
     # -- records -----------------------------------------------------------------------------
 
