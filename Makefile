@@ -1,5 +1,6 @@
 # longspec: `make demo` runs the tiny three-stage pipeline, `make test` runs the test suite.
-# Both create .venv from nothing (CPU PyTorch; the GPU extra is opt-in: make gpu).
+# Both create .venv from nothing (CPU PyTorch; the GPU extra is opt-in: make gpu); `make test`
+# also installs the cluster tests' SLURM, munge, ssh and pdsh where it is root with apt-get.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -7,7 +8,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 export DS_ACCELERATOR ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
 
-.PHONY: demo test test-fast venv gpu bench clean
+.PHONY: demo test test-fast cluster venv gpu bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +22,11 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/longspec demo
 
-test: $(STAMP)
+# The cluster tests' SLURM, munge, sshd and pdsh (as root with apt-get; elsewhere they skip).
+cluster:
+	sh tests/cluster/install.sh
+
+test: $(STAMP) cluster
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)
