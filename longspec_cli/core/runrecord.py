@@ -142,9 +142,13 @@ def _slurm_owner(info: dict) -> Owner:
 
     job_id = str(info.get("job_id"))
     phase = info.get("phase")
+    if phase == "ended" and info.get("returncode") == 0:
+        return Owner(None, f"SLURM job {job_id}", job_id=job_id)  # the stage finished: no need to ask
     try:
         job = scheduler.job(job_id)
     except scheduler.SchedulerUnavailable as e:
+        if phase == "ended":  # it stopped; whether the job requeued cannot be told: the run folder says
+            return Owner(None, f"SLURM job {job_id}", f"SLURM cannot be asked from here ({e})", job_id)
         return Owner("unknown", f"SLURM job {job_id}", f"SLURM cannot be asked from here ({e})", job_id)
     if job is None or not job.alive:
         ended = f" ({job.state})" if job is not None else ""
@@ -154,10 +158,9 @@ def _slurm_owner(info: dict) -> Owner:
         + (f", requeued {job.restarts}x" if job.restarts else "")
     if phase == "running":
         return Owner("running" if job.running else "requeued", where, detail, job_id)
-    if phase == "ended":
-        if info.get("returncode") == 0:
-            return Owner(None, where, detail, job_id)  # the stage finished; the job runs a later one
-        return Owner("requeued", where, detail, job_id)  # it resumes this stage when it runs again
+    if phase == "ended":  # it stopped early: a requeued job resumes it when it runs again
+        requeued = info.get("returncode") == PREEMPTED_RC or not job.running
+        return Owner("requeued" if requeued else None, where, detail, job_id)
     return Owner("queued", where, detail, job_id)
 
 

@@ -336,7 +336,7 @@ class MonitorApp(App[None]):
         self.notify("every stage is done; nothing to run")
 
     def action_stop(self) -> None:
-        running = [s for s in (self.view.stages if self.view else ()) if s.state == "running"]
+        running = [s for s in (self.view.stages if self.view else ()) if s.state in ("running", "queued", "requeued")]
         if not running:
             self.notify("nothing is running", severity="warning")
             return

@@ -10,6 +10,8 @@ from longspec_cli.tui.widgets.text_panel import TextPanel
 MARK = {
     "done": ("✔", "bold green"),
     "running": ("●", "bold yellow"),
+    "queued": ("◷", "bold cyan"),
+    "requeued": ("↻", "bold yellow"),
     "failed": ("✖", "bold red"),
     "stale": ("◌", "bold magenta"),
     "preempted": ("⏸", "bold yellow"),
@@ -36,7 +38,7 @@ def render_strip(stages: tuple[StageView, ...], selected: int) -> Text:
         box.append(f" {mark} ", style)
         box.append(st.name, "bold")
         box.append(f" {st.state}", style)
-        if st.state in ("running", "failed") and st.step is not None:
+        if st.state in ("running", "requeued", "failed") and st.step is not None:
             box.append(f" {st.step}/{st.total_steps or '?'}")
         if i == selected:
             box.stylize("reverse")
