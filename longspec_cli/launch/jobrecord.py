@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
             asked = runrecord.stop_requested(info) and (job is None or str(info.get("job_id")) == job)
             return 0 if asked else 1
     except OSError as e:  # the record is advisory for the job: say so, never end the job over it
-        print(f"longspec: run record in {args.output_dir} not written: {e.strerror or e}", file=sys.stderr)
+        print(f"longspec: run record in {args.output_dir}: {e.strerror or e}", file=sys.stderr)
+        return 1 if args.what == "stop-requested" else 0  # unreadable: no stop was asked, requeue
     return 0
 
 
