@@ -19,7 +19,9 @@ EPILOG = """Examples:
 
   longspec run demo --all --hostfile hosts --num-nodes 2 --master-addr node0
 
-  longspec run demo --all --slurm --gpus 8 --num-nodes 4 --submit
+  longspec run demo --all --slurm --gpus 8 --num-nodes 4 --time 24:00:00 --submit
+
+  longspec run demo --all --slurm --gpus 0 --num-nodes 2 --partition cpu --submit   (CPU nodes)
 
   longspec run demo --all --gate 10            stop when a stage's tau drops more than 10%
 
@@ -34,6 +36,12 @@ and stop; a second Ctrl-C stops at once, without saving.
 Exit codes: 0 done, 1 refused (validation errors, stage running, too little disk space), 2 usage
 (bad flag or override), 4 a stage failed (a full disk included), 5 preempted (a stop signal from
 outside saved a checkpoint; rerun to resume), 130 interrupted (no process is left behind).
+
+--slurm writes DIR/longspec.sbatch after the checks a local run makes (validation at the job's
+world size, memory, disk); --submit hands it to sbatch. SIGUSR1 reaches the batch script
+--signal-lead seconds before --time; the running stage saves at its step and the job requeues
+itself, as on `scancel --signal=USR1|TERM JOB` or a preempting scheduler's SIGTERM; the requeued
+job resumes where it stopped.
 
 --gate P evaluates each stage when it finishes (as `longspec eval`: its draft and its upstream
 stage's draft on the same held-out prompts) and stops before the next stage, exit 1, when its
@@ -69,6 +77,18 @@ def run(
                                             "(default: what nvidia-smi reports)."),
     slurm: bool = typer.Option(False, "--slurm", help="Write an sbatch script (DIR/longspec.sbatch) instead of launching."),
     submit: bool = typer.Option(False, "--submit", help="With --slurm: submit it with sbatch."),
+    cpu: bool = typer.Option(False, "--cpu", help="With --slurm: CPU nodes (no GPU request, DeepSpeed's CPU "
+                             "accelerator); --gpus counts ranks per node (default 1). Same as --gpus 0."),
+    time_limit: Optional[str] = typer.Option(None, "--time", help="With --slurm: the job's time limit (sbatch "
+                                             "--time, e.g. 24:00:00)."),
+    signal_lead: Optional[int] = typer.Option(None, "--signal-lead", metavar="SECONDS",
+                                              help="With --slurm: SIGUSR1 this long before the time limit "
+                                                   "(time for one step and a save; default 300)."),
+    partition: Optional[str] = typer.Option(None, "--partition", help="With --slurm: sbatch --partition."),
+    account: Optional[str] = typer.Option(None, "--account", help="With --slurm: sbatch --account."),
+    sbatch_args: Optional[List[str]] = typer.Option(None, "--sbatch-arg", metavar="OPTION",
+                                                    help="With --slurm: one more sbatch option, e.g. "
+                                                         "--sbatch-arg=--qos=high (repeatable)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Do not echo the training log (progress line only)."),
     gate: Optional[float] = typer.Option(None, "--gate", metavar="P",
                                          help="Evaluate each stage as it finishes; stop (exit 1) when its tau is "
@@ -85,8 +105,11 @@ def run(
         from longspec_cli.launch.gate import check_gate
 
         stage, overrides = split_args(list(args or []))
-        if submit and not slurm:
-            raise UsageError("--submit goes with --slurm")
+        slurm_only = {"--submit": submit, "--cpu": cpu, "--time": time_limit, "--signal-lead": signal_lead,
+                      "--partition": partition, "--account": account, "--sbatch-arg": sbatch_args}
+        given = [flag for flag, v in slurm_only.items() if v]
+        if given and not slurm:
+            raise UsageError(f"{', '.join(given)} go(es) with --slurm")
         check_gate(gate)
         if slurm and (gate is not None or evaluate):
             raise UsageError("--gate and --eval do not go with --slurm (the batch script only trains)",
@@ -98,9 +121,11 @@ def run(
                                   overrides=overrides, placement=placement, gpu_mem_gib=gpu_mem, quiet=quiet,
                                   gate=gate, evaluate=evaluate)
         if slurm:
-            from longspec_cli.launch.slurm import write_slurm
+            from longspec_cli.launch.slurm import SlurmOptions, write_slurm
 
-            write_slurm(req, submit=submit)
+            opts = SlurmOptions(time=time_limit, signal_lead_s=signal_lead, partition=partition, account=account,
+                                extra=list(sbatch_args or []), cpu=cpu)
+            write_slurm(req, opts, submit=submit)
             return
         execute.run_request(req)
 

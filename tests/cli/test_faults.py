@@ -218,6 +218,8 @@ def on_signal(signo, frame):  # as the trainer: the first asks for a save, a lat
 
 for sig in (signal.SIGTERM, signal.SIGUSR1):
     signal.signal(sig, on_signal)
+# the node launcher starts its ranks with the stop signals blocked (pending until a rank takes them)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGUSR1})
 (out / "rank.pid").write_text(str(os.getpid()))
 while not got:
     time.sleep(0.05)

@@ -208,19 +208,24 @@ def test_sbatch_script(tmp_path):
               S.SlurmStage("long", tmp_path / "runs" / "long",
                            A.trainer_args(tmp_path / "conf", "long", tmp_path / "runs" / "long", []), None)]
     text = S.sbatch_script(project=tmp_path, job_name="longspec-x", nodes=4, gpus_per_node=8, stages=stages,
-                           master_port=29555, python="/venv/bin/python")
+                           master_port=29555, python="/venv/bin/python", extra_sbatch=["--time=2:00:00"])
     lines = text.splitlines()
     assert lines[0] == "#!/bin/bash"
-    for want in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8"):
+    for want in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --time=2:00:00"):
         assert want in lines
-    assert 'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"' in text
+    # the traps come before any command (the #SBATCH block ends at the first command)
+    first_cmd = next(i for i, x in enumerate(lines) if x and not x.startswith("#"))
+    assert lines[first_cmd].startswith("STOP=") and "trap 'on_stop USR1' USR1" in lines[first_cmd:first_cmd + 20]
     assert text.count("srun --nodes=4 --ntasks-per-node=1") == 2
     assert '--node_rank="$SLURM_NODEID"' in text and "-m longspec.nodelaunch" in text
-    assert "#SBATCH --signal=USR1@300" in lines and "#SBATCH --requeue" in lines
-    assert text.count('requeue_if_preempted "$rc"') == 2 and 'scontrol requeue "$SLURM_JOB_ID"' in text
+    assert "#SBATCH --signal=B:USR1@300" in lines and "#SBATCH --requeue" in lines
+    assert 'forward_signal() { scancel --signal="$1" "$SLURM_JOB_ID"; }' in text  # the steps, not the shell
+    assert text.count("stage_end ") == 2 and 'scontrol requeue "$SLURM_JOB_ID"' in text
     assert '"--world_info=$WORLD_INFO" "--master_addr=$MASTER_ADDR" "--master_port=$MASTER_PORT"' in text
+    assert "FIXED_PORT=29555" in text and "DS_ACCELERATOR" not in text
     assert "+exp=base" in text and "max_steps=7" in text
-    assert "next-stage" in text and "--to long" in text
+    assert f"chain {tmp_path} long" in text and "next-stage" in text
     assert subprocess.run(["bash", "-n"], input=text, text=True).returncode == 0
 
     # The world-info line, run as SLURM would run it, gives DeepSpeed's encoding over the job's hosts.
@@ -229,6 +234,29 @@ def test_sbatch_script(tmp_path):
     out = subprocess.run([sys.executable, *snippet[1:]], input="nid001\nnid002\n", capture_output=True,
                          text=True, check=True).stdout.strip()
     assert json.loads(base64.urlsafe_b64decode(out)) == {"nid001": list(range(8)), "nid002": list(range(8))}
+
+    # CPU nodes: no GPU request, the CPU accelerator; one node: the launcher runs in the batch script.
+    text = S.sbatch_script(project=tmp_path, job_name="x", nodes=1, gpus_per_node=2, stages=stages, cpu=True)
+    assert "--gpus" not in text and "export DS_ACCELERATOR=cpu" in text and "srun" not in text
+    assert 'forward_signal() { kill -s "$1" "$STEP" 2>/dev/null; }' in text
+
+
+@pytest.mark.parametrize("limit, seconds", [("90", 5400), ("1:30", 90), ("2:00:00", 7200), ("1-0", 86400),
+                                            ("1-2:30", 95400), ("0-0:0:45", 45)])
+def test_slurm_time_limits(limit, seconds):
+    assert S.time_limit_s(limit) == seconds
+
+
+def test_slurm_options_refuse_what_cannot_work():
+    with pytest.raises(UsageError, match="not shorter than --time"):
+        S.SlurmOptions(time="5").lead()  # 300 s ahead of a 5-minute limit
+    assert S.SlurmOptions(time="5", signal_lead_s=120).lead() == 120
+    with pytest.raises(UsageError, match="not a SLURM time limit"):
+        S.SlurmOptions(time="ten minutes").lead()
+    with pytest.raises(UsageError, match="one sbatch option"):
+        S.SlurmOptions(extra=["qos=high"]).sbatch_lines()
+    assert S.SlurmOptions(time="10", partition="cpu", account="a b", extra=["--qos=high"]).sbatch_lines() == \
+        ["--time=10", "--partition=cpu", "--account=a b", "--qos=high"]
 
 
 # ------------------------------------------------------------------------------ overrides
@@ -262,27 +290,3 @@ def test_deepspeed_missing_is_one_sentence_about_the_train_extra(tmp_path):
             "    print(e.message); print(e.hint)\n") % str(ROOT)
     out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True).stdout
     assert "not installed" in out and "pip install 'longspec[train]'" in out
-
-
-@pytest.mark.parametrize("rc, last_event, requeued", [
-    (5, "start", True),        # the ranks' preempted exit code
-    (137, "preempted", True),  # srun reports a killed task, but the stage saved and said so
-    (1, "error", False), (0, "end", False),
-])
-def test_sbatch_requeues_a_preempted_stage_and_nothing_else(tmp_path, rc, last_event, requeued):
-    text = S.sbatch_script(project=tmp_path, job_name="x", nodes=1, gpus_per_node=1, stages=[])
-    start = text.index("requeue_if_preempted() {")
-    func = text[start:text.index("\n}\n", start) + 3]
-    (tmp_path / "metrics.jsonl").write_text(f'{{"event":"start","step":0}}\n{{"step":3}}\n'
-                                            f'{{"event":"{last_event}","step":3}}\n')
-    (tmp_path / "scontrol").write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/requeue\n')
-    (tmp_path / "scontrol").chmod(0o755)
-    res = subprocess.run(["bash", "-c", f"{func}\nrequeue_if_preempted {rc} {tmp_path}; echo next-stage"],
-                         capture_output=True, text=True,
-                         env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_ID": "42"})
-    assert (tmp_path / "requeue").is_file() == requeued, res.stderr
-    if requeued:
-        assert (tmp_path / "requeue").read_text().split() == ["requeue", "42"]
-        assert "next-stage" not in res.stdout  # the job ends here; the requeued job carries on
-    else:
-        assert "next-stage" in res.stdout

@@ -385,12 +385,23 @@ def test_memory_warning_for_the_qwq_preset_on_small_gpus(tmp_path):
 
 def test_slurm_script_written_by_the_cli(tmp_path):
     proj = scaffold(tmp_path)
+    # world size 8 (2 nodes x 4 GPUs): the configs' batch arithmetic is for another size, as a dry run says
     res = cli("run", str(proj), "--all", "--slurm", "--num-nodes", "2", "--gpus", "4", env=cpu_env())
+    assert res.returncode == 1 and "nothing was submitted" in flat(res.stderr), res.stdout + res.stderr
+    assert "x 2 node(s) (--num-nodes)" in flat(res.stderr) and not (proj / "longspec.sbatch").exists()
+    res = cli("run", str(proj), "--all", "--slurm", "--num-nodes", "2", "--gpus", "4", "--force", env=cpu_env())
     assert res.returncode == 0, res.stderr
+    assert "2 node(s) x 4 GPU(s) per node, world size 8" in flat(res.stdout)
     text = (proj / "longspec.sbatch").read_text()
     assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=4" in text
-    assert text.count("-m longspec.nodelaunch") == 3 and "--to longcot" in text
+    assert text.count("-m longspec.nodelaunch") == 3 and f"chain {proj} longcot" in text
     assert subprocess.run(["bash", "-n", str(proj / "longspec.sbatch")]).returncode == 0
+    # CPU nodes: --gpus 0 is one CPU rank per node, never "1 GPU(s)"
+    res = cli("run", str(proj), "--all", "--slurm", "--gpus", "0", "--force", env=cpu_env())
+    assert res.returncode == 0 and "1 node(s) x CPU (DS_ACCELERATOR=cpu), 1 rank(s) per node" in flat(res.stdout)
+    assert "GPU(s)" not in res.stdout and "--gpus-per-node" not in (proj / "longspec.sbatch").read_text()
+    res = cli("run", str(proj), "--all", "--time", "10", env=cpu_env())
+    assert res.returncode == 2 and "--time go(es) with --slurm" in flat(res.stderr)
 
 
 def test_the_cli_never_imports_torch_or_deepspeed(tmp_path):

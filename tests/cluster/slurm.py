@@ -84,7 +84,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={root}/munge/munge.socket
+AuthInfo=socket={root}/munge/munge.socket,cred_expire=10
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool/%n
 SlurmctldPidFile={root}/run/slurmctld.pid
