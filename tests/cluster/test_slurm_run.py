@@ -71,6 +71,12 @@ def wait(pred, timeout: float, what: str, cluster=None, job=None):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+def status(proj: Path, env: dict) -> dict[str, dict]:
+    res = cli("status", str(proj), "--json", env=env)
+    assert res.returncode == 0, res.stderr
+    return {s["name"]: s for s in json.loads(res.stdout)["stages"]}
+
+
 def logged_at(text: str, pattern: str) -> list[float]:
     """Unix times of the batch script's lines matching `pattern` (they end in `at YYYY-MM-DD HH:MM:SS`)."""
     out = []
@@ -114,6 +120,12 @@ def test_a_two_node_cpu_job_survives_the_time_limit_a_signal_between_stages_and_
     assert "#SBATCH --signal=B:USR1@30" in script and "#SBATCH --time=1" in script
     job = re.search(r"submitted job (\d+)", res.stdout).group(1)
     assert runrecord.read(proj / "runs" / "base")["job_id"] == job
+    # While the job owns the stages: status names it, and a second run is refused before it starts.
+    stages = status(proj, env)
+    assert {s["name"]: (s["state"] in ("queued", "running"), s["job_id"]) for s in stages.values()} == \
+        {n: (True, job) for n in STEPS}, stages
+    res = cli("run", str(proj), "--all", "--dry-run", env=env)
+    assert res.returncode == 1 and f"SLURM job {job}" in flat(res.stderr), res.stdout + res.stderr
     log = proj / f"slurm-{job}.out"
     base, long_, longcot = (proj / "runs" / s for s in STEPS)
     t0 = time.monotonic()
@@ -122,6 +134,13 @@ def test_a_two_node_cpu_job_survives_the_time_limit_a_signal_between_stages_and_
     rec = wait(lambda: (r := slurm_cluster.job(job)) and int(r.get("Restarts", 0)) >= 1 and r, 240,
                "the first requeue (time limit)", slurm_cluster, job)
     slurm_cluster.run(["scontrol", "update", f"JobId={job}", "TimeLimit=20"])  # the rest runs unhurried
+    # In the requeue hold, status says requeued, with the job and the step it resumes from.
+    before = slurm_cluster.job_state(job)
+    st = status(proj, env)["base"]
+    if before == "PENDING" and slurm_cluster.job_state(job) == "PENDING":
+        assert st["state"] == "requeued" and st["job_id"] == job, st
+        assert st["next_action"] == f"wait (SLURM job {job} resumes it from step {st['resume_step']})", st
+        print(f"\nstatus during the requeue: base {st['state']}, {st['next_action']}")
     first = events(base, "preempted")
     assert len(first) == 1 and first[0]["signal"] == "SIGUSR1", log.read_text()[-3000:]
     s1 = first[0]["step"]
@@ -174,3 +193,40 @@ def test_a_two_node_cpu_job_survives_the_time_limit_a_signal_between_stages_and_
           f"scancel TERM: long saved at {s3}, resumed at {events(long_, 'resume')[0]['step']}; "
           f"job wall {wall:.0f} s, 3 requeues")
     assert requeued - warned < 120
+
+
+@pytest.mark.slow
+def test_stop_saves_a_one_node_job_through_the_scheduler_without_a_requeue(slurm_cluster, tmp_path):
+    """`longspec stop` on a stage a job runs: SIGUSR1 through scancel, the rank saves at its step, the
+    job ends without requeueing itself; status says preempted and where a rerun resumes."""
+    env = {**slurm_cluster.env, "PYTHONPATH": str(ROOT), "LONGSPEC_CACHE_DIR": str(tmp_path / ".cache"),
+           "CUDA_VISIBLE_DEVICES": ""}
+    proj = tmp_path / "tiny"
+    assert cli("init", str(proj), "--preset", "tiny", "--no-input", env=env, timeout=900).returncode == 0
+    res = cli("run", str(proj), "base", "--slurm", "--submit", "--gpus", "0", "--time", "20",
+              "max_steps=400", "save_steps=1000", env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    job = re.search(r"submitted job (\d+)", res.stdout).group(1)
+    base = proj / "runs" / "base"
+    wait(lambda: (base / "metrics.jsonl").exists() and step_records(base), 300, "base's first step",
+         slurm_cluster, job)
+    st = status(proj, env)["base"]
+    assert (st["state"], st["job_id"]) == ("running", job) and st["where"].startswith(f"SLURM job {job} on node"), st
+
+    t0 = time.monotonic()
+    res = cli("stop", str(proj), env=env, timeout=300)
+    stop_s = time.monotonic() - t0
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"stopped SLURM job {job}" in res.stdout and "checkpoint saved" in res.stdout, res.stdout
+    rec = slurm_cluster.job(job)
+    assert rec["JobState"] != "PENDING" and rec.get("Restarts") == "0", rec  # ended, not requeued
+    pre = events(base, "preempted")
+    assert len(pre) == 1 and [c.step for c in runfolder.RunDir(base).checkpoints()] == [pre[0]["step"]]
+    assert max(step_records(base)) == pre[0]["step"]  # the step in progress was finished and saved: 0 lost
+    st = status(proj, env)["base"]
+    assert (st["state"], st["action"], st["resume_step"]) == ("preempted", "resume", pre[0]["step"]), st
+    assert "`longspec stop` asked this job to stop: not requeued" in (proj / f"slurm-{job}.out").read_text()
+    res = cli("stop", str(proj), env=env)
+    assert res.returncode == 1 and "nothing to stop" in flat(res.stderr)
+    print(f"\nstop through SLURM: checkpoint at step {pre[0]['step']}, job {rec['JobState']} "
+          f"{stop_s:.1f} s after `longspec stop`")
