@@ -10,7 +10,7 @@ keeps waiting for them (they exit 5 after saving, and DeepSpeed's launcher exits
 A second signal, later than the echo window, runs DeepSpeed's own handler: every rank ends now.
 
 When it ends, one line `LONGSPEC-NODE {json}` on stdout: the node rank, this host, the exit code and
-each rank's pid and return code, the first rank that failed first (`first_failed`), so that the
+each rank's pid and return code, and the rank that failed first (`first_failed`), so that the
 launching host can name the rank and the signal (`run --hostfile`, longspec_cli/launch/fanout.py).
 
 --control-stdin (a launch over ssh): stdin is a control channel from the launching host. A line
@@ -128,18 +128,26 @@ def main() -> None:
     threading.Thread(target=ranks.watch, name="longspec-ranks", daemon=True).start()
     if control:
         threading.Thread(target=_control, args=(first,), name="longspec-control", daemon=True).start()
-    code = 0
+    code = 1  # an exception out of DeepSpeed's launcher
     try:
         launch.main()
+        code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        raise
+    except BaseException:  # noqa: BLE001 - said here: the exit below skips the interpreter's own report
+        import traceback
+
+        traceback.print_exc()
     finally:
         time.sleep(2 * POLL_S)  # the watcher notes the last rank's end
         try:
             print(MARK + json.dumps(ranks.report(node_rank, code & 0xFF if code < 0 else code)), flush=True)
+            sys.stderr.flush()
         except (OSError, ValueError):
             pass
+        # Everything is said and the ranks are gone: skip the interpreter's teardown of the native
+        # thread pools that importing DeepSpeed started (seconds), which would delay the report.
+        os._exit(code & 0xFF)
 
 
 def _control(first: list[float]) -> None:

@@ -174,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     probes = N.ctl_all(hosts, probe_words, **kw)
     bad = [r for r in probes.values() if not r.ok]
     if bad:
-        cause = "; ".join(f"node {hosts.index(r.host)} ({r.host}) cannot be reached or cannot start "
-                          f"{a.python} in {a.cwd}: {r.error}" for r in bad)
+        cause = "; ".join(f"node {hosts.index(r.host)} ({r.host}) " + (
+            "cannot be reached over ssh" if "(ssh exit 255)" in r.error or "no answer" in r.error
+            else f"cannot run {a.python} -m longspec.nodectl in {a.cwd} there") + f": {r.error}" for r in bad)
         return finish(a, EXIT_FAULT, cause, started, checked=False)
     p0 = probes[hosts[0]].data
     port = p0.get("port")
