@@ -232,3 +232,78 @@ def test_an_unreachable_node_and_a_taken_master_port_fail_in_seconds(ssh_nodes, 
     assert res.returncode == 4, res.stdout[-3000:] + res.stderr[-3000:]
     assert f"master port {port} is in use on 127.0.0.1 (node 0)" in text, text
     assert processes_of("", needle=str(proj)) == []
+
+
+# ------------------------------------------------------------------ without ssh: the commands
+
+def test_each_node_gets_its_command_with_the_environment_written_out(tmp_path, monkeypatch):
+    import base64
+    import shlex
+
+    from deepspeed.launcher import launch
+
+    from longspec_cli.launch import argv as A
+    from longspec_cli.launch import fanout
+    from longspec_cli.launch import nodes as N
+
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 slots=4\nnode-b slots=4\n")
+    (tmp_path / ".deepspeed_env").write_text("NCCL_SOCKET_IFNAME=eth7\nMY_SETTING=a b\n")
+    monkeypatch.setenv("PYTHONPATH", "/some/where")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    p = A.Placement(hostfile=hosts, gpus=2, master_port=29611)
+    r = A.resolve_resources(p, [], env={})  # no GPU here, and this machine is a host: CPU
+    assert r.cpu and r.world_size == 4 and r.hosts == (("127.0.0.1", (0, 1)), ("node-b", (0, 1)))
+    assert r.where() == "2 node(s) (127.0.0.1: 2 slots, node-b: 2 slots), CPU (DS_ACCELERATOR=cpu)"
+    assert not A.resolve_resources(A.Placement(hostfile=hosts, num_nodes=1, include=None), [], env={}).hosts[1:]
+    assert not N.uses_nodes(A.Placement(hostfile=hosts, launcher="openmpi"))
+
+    trainer = A.trainer_args(tmp_path / "conf", "base", tmp_path / "runs" / "base", ["seed=1"])
+    cmd = N.build_launch(p, r, trainer, tmp_path, extra_env={"TORCH_EXTENSIONS_DIR": "/ops"})
+    assert cmd.hosts == ("127.0.0.1", "node-b") and cmd.run_id.startswith("ls-")
+    lead = fanout.parse(cmd.argv[cmd.argv.index(N.LEADER) + 1:])
+    assert [(n.host, n.slots) for n in lead.nodes] == [("127.0.0.1", [0, 1]), ("node-b", [0, 1])]
+    assert lead.master_port == 29611 and lead.trainer == trainer and lead.run_id == cmd.run_id
+    assert lead.env["DS_ACCELERATOR"] == "cpu" and lead.env["TORCH_EXTENSIONS_DIR"] == "/ops"
+    assert lead.env["PYTHONPATH"] == "/some/where" and lead.env["NCCL_SOCKET_IFNAME"] == "eth7"
+    assert lead.env["MY_SETTING"] == "a b" and "OMP_NUM_THREADS" not in lead.env  # set per node, from its cores
+
+    # Node 1's command, as the plan prints it: ssh, the project folder, env, the patient launcher.
+    ssh = shlex.split(cmd.comments[1].split(": ", 1)[1])
+    assert ssh[0] == "ssh" and ssh[-2] == "node-b" and "BatchMode=yes" in ssh
+    line = shlex.split(ssh[-1])
+    assert line[:4] == ["cd", str(tmp_path), "&&", "exec"] and line[4] == "env"
+    assert f"LONGSPEC_RUN_ID={cmd.run_id}" in line and "MY_SETTING=a b" in line
+    node = line[line.index("-m") - 2:]
+    assert node[2:5] == ["-m", "longspec.nodelaunch", "--control-stdin"]
+    monkeypatch.setattr(sys, "argv", ["launch", *node[5:]])
+    ns = launch.parse_args()  # what DeepSpeed's launcher reads once nodelaunch drops --control-stdin
+    assert (ns.node_rank, ns.master_port, ns.module, ns.no_local_rank, ns.training_script) == \
+        (1, 29611, True, True, "longspec.train")
+    assert json.loads(base64.urlsafe_b64decode(ns.world_info)) == {"127.0.0.1": [0, 1], "node-b": [0, 1]}
+
+
+def test_nodectl_ends_only_the_processes_of_its_run(tmp_path):
+    import os
+
+    sleepers = {rid: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                                      env={**os.environ, "LONGSPEC_RUN_ID": rid})
+                for rid in ("ls-one", "ls-two")}
+    try:
+        ctl = [sys.executable, "-m", "longspec.nodectl"]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        listed = json.loads(subprocess.run([*ctl, "list", "ls-one"], env=env, capture_output=True, text=True,
+                                           timeout=60).stdout)
+        assert [row["pid"] for row in listed["left"]] == [sleepers["ls-one"].pid]
+        res = subprocess.run([*ctl, "end", "ls-one", "--wait", "0.5"], env=env, capture_output=True, text=True,
+                             timeout=60)
+        assert res.returncode == 0 and json.loads(res.stdout)["left"] == [], res.stdout + res.stderr
+        assert sleepers["ls-one"].wait(timeout=10) == -signal.SIGKILL
+        assert sleepers["ls-two"].poll() is None  # another run, the same Python: left alone
+        probe = json.loads(subprocess.run([*ctl, "probe", "--pick-port"], env=env, capture_output=True,
+                                          text=True, timeout=60).stdout)
+        assert probe["port_free"] and probe["cores"] >= 1
+    finally:
+        for p in sleepers.values():
+            p.kill()
+            p.wait()
