@@ -12,7 +12,9 @@ once: SIGINT to the group, then SIGTERM, then SIGKILL after timeouts, until no p
 group is left (a further Ctrl-C skips to the next signal). Without a trainer rank in the group the
 first Ctrl-C stops at once too.
 `longspec stop` does the same from another terminal (launch/group.py, with the group's members
-and signals).
+and signals). On several nodes the group is the leader (launch/fanout.py): Ctrl-C is SIGTERM to it
+(every node saves), a second one SIGUSR2 (every rank ends now); its last line says what was checked
+on each host (a leader that died without it: every host is checked from here).
 """
 
 from __future__ import annotations
