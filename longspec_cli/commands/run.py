@@ -32,7 +32,8 @@ Before launching, the checkpoints (save_total_limit + 1 at the peak) and final w
 stage are estimated against the free space of its output_dir's disk: too little refuses the
 run unless --force (--dry-run prints the figure).
 Ctrl-C (or SIGTERM to `longspec run`): the ranks finish their optimizer step, save a checkpoint
-and stop; a second Ctrl-C stops at once, without saving.
+and stop; a second Ctrl-C stops at once, without saving. With --hostfile the same holds on every
+node (each node is started over ssh; a node that fails ends the run in seconds, naming it).
 Exit codes: 0 done, 1 refused (validation errors, stage running, too little disk space), 2 usage
 (bad flag or override), 4 a stage failed (a full disk included), 5 preempted (a stop signal from
 outside saved a checkpoint; rerun to resume), 130 interrupted (no process is left behind).
@@ -70,9 +71,10 @@ def run(
     hostfile: Optional[Path] = typer.Option(None, "--hostfile", help="DeepSpeed hostfile (`HOST slots=N` lines)."),
     num_nodes: Optional[int] = typer.Option(None, "--num-nodes", help="Use the first N hosts of the hostfile."),
     master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Address of node 0."),
-    master_port: Optional[int] = typer.Option(None, "--master-port", help="Rendezvous port (default 29500, "
-                                              "or a free one when that is taken locally)."),
-    launcher: Optional[str] = typer.Option(None, "--launcher", help="Multi-node backend: pdsh, openmpi, mvapich, slurm."),
+    master_port: Optional[int] = typer.Option(None, "--master-port", help="Rendezvous port (default: a free "
+                                              "one, picked on node 0 and told to every node)."),
+    launcher: Optional[str] = typer.Option(None, "--launcher", help="Multi-node backend: pdsh (default: longspec "
+                                           "starts each node over ssh), openmpi, mvapich, slurm (DeepSpeed's runner)."),
     gpu_mem: Optional[float] = typer.Option(None, "--gpu-mem", help="GPU memory in GiB for the estimate "
                                             "(default: what nvidia-smi reports)."),
     slurm: bool = typer.Option(False, "--slurm", help="Write an sbatch script (DIR/longspec.sbatch) instead of launching."),

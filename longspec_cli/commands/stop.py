@@ -20,6 +20,8 @@ EPILOG = """Examples:
 A stage run by a SLURM job (`run --slurm --submit`) is stopped through the scheduler: the job's
 batch shell and steps get SIGUSR1, the ranks save and the job ends without requeueing itself; a
 queued job, or one still running after --save-timeout, is cancelled (`--now`: at once).
+A run on several nodes (`run --hostfile`) is stopped through its leader, which passes the request
+to every node (--now: every rank ends at once) and checks each host over ssh before it ends.
 Otherwise the training ranks get SIGTERM: each finishes its optimizer step, saves a checkpoint and exits
 (`longspec run DIR` later resumes from it). If they have not ended after --save-timeout seconds,
 or with --now, the run's process group gets SIGINT, then SIGTERM, then SIGKILL (--timeout apart),

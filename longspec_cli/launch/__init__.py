@@ -11,6 +11,8 @@ Nothing here imports torch, deepspeed, transformers or hydra: the launcher is a 
   execute.py   one stage or `--all`: the launches, chaining, resume (`run_request`)
   gate.py      --eval/--gate: measure a finished stage, the quality gate
   slurm.py     the sbatch script (one DeepSpeed per-node launcher per SLURM task)
+  nodes.py     a run on several nodes over ssh: each node's command and environment, per-host requests
+  fanout.py    the leader of such a run (`python -m longspec_cli.launch.fanout`): probe, start, stop, check
   memory.py    per-GPU memory estimate of a stage (pure arithmetic)
   disk.py      disk estimate of a stage's checkpoints and weights (pure arithmetic)
   prepare.py   a stage's prepared-data state with overrides; `python -m longspec.prepare` runs

@@ -68,11 +68,19 @@ class Resources:
     nodes: int
     gpus: tuple[Gpu, ...] = ()
     pinned: bool = False  # CUDA_VISIBLE_DEVICES names the GPUs: launch on those, by --include
-
+    hosts: tuple[tuple[str, tuple[int, ...]], ...] = ()  # several nodes: (host, its slots) in node order
 
     @property
     def world_size(self) -> int:
-        return self.ranks_per_node * self.nodes
+        return sum(len(s) for _, s in self.hosts) if self.hosts else self.ranks_per_node * self.nodes
+
+    def where(self) -> str:
+        """Where the ranks run, as the plan and the summary say it."""
+        kind = "CPU (DS_ACCELERATOR=cpu)" if self.cpu else ("GPUs" if self.hosts else f"{len(self.gpus)} GPU(s)")
+        if not self.hosts:
+            return kind
+        slots = ", ".join(f"{h}: {len(s)} slot{'s' if len(s) != 1 else ''}" for h, s in self.hosts)
+        return f"{len(self.hosts)} node(s) ({slots}), {kind}"
 
 
 @dataclass(frozen=True)
@@ -81,6 +89,9 @@ class LaunchCommand:
     env: dict[str, str] = field(default_factory=dict)  # added to the inherited environment
     world_size: int = 1
     cpu: bool = False
+    hosts: tuple[str, ...] = ()  # a launch over ssh on these nodes (launch/nodes.py)
+    run_id: str | None = None  # LONGSPEC_RUN_ID of every process of that launch, on every node
+    comments: tuple[str, ...] = ()  # what the plan prints under the command (each node's own command)
 
     def shell(self) -> str:
         """The command as one line a user can paste into a POSIX shell."""
@@ -152,7 +163,24 @@ def parse_hostfile(path: Path) -> dict[str, int]:
 
 def _include_slots(include: str) -> dict[str, int | None]:
     """`host:0,1@host2` -> {host: 2, host2: None (all slots)}."""
-    out: dict[str, int | None] = {}
+    return {h: None if ids is None else len(ids) for h, ids in _include_ids(include).items()}
+
+
+def is_this_host(host: str) -> bool:
+    """Does `host` (a hostfile name) name this machine?"""
+    if host in ("localhost", "::1") or host.startswith("127."):
+        return True
+    names = {socket.gethostname(), socket.getfqdn()}
+    try:
+        names.update(socket.gethostbyname_ex(socket.gethostname())[2])
+    except OSError:
+        pass
+    return host in names
+
+
+def _include_ids(include: str) -> dict[str, list[int] | None]:
+    """`host:0,1@host2` -> {host: [0, 1], host2: None (all slots)}."""
+    out: dict[str, list[int] | None] = {}
     for spec in include.split("@"):
         if not spec:
             raise UsageError(f"bad --include {include!r}",
@@ -160,10 +188,10 @@ def _include_slots(include: str) -> dict[str, int | None]:
         host, _, slots = spec.partition(":")
         if slots:
             try:
-                ids = {int(s) for s in slots.split(",")}
+                ids = sorted({int(s) for s in slots.split(",")})
             except ValueError:
                 raise UsageError(f"bad --include {include!r}: slots must be integers") from None
-            out[host] = len(ids)
+            out[host] = ids
         else:
             out[host] = None
     return out
@@ -196,15 +224,19 @@ def resolve_resources(p: Placement, gpus: list[Gpu], manifest_gpus: int | None =
             unknown = [h for h in chosen if h not in hosts]
             if unknown:
                 raise UsageError(f"--include names host(s) not in the hostfile: {', '.join(unknown)}")
-            per_node = [n if n is not None else hosts[h] for h, n in chosen.items()]
+            slots = {h: tuple(ids) if ids is not None else tuple(range(hosts[h]))
+                     for h, ids in _include_ids(p.include).items()}
         else:
             names = list(hosts)[: p.num_nodes] if p.num_nodes else list(hosts)
             if p.num_nodes and p.num_nodes > len(hosts):
                 raise UsageError(f"--num-nodes {p.num_nodes} but the hostfile lists {len(hosts)} host(s)")
-            per_node = [p.gpus or hosts[h] for h in names]
+            slots = {h: tuple(range(p.gpus or hosts[h])) for h in names}
         # DeepSpeed needs no uniform slot count, but the memory estimate uses the smallest node.
-        # The GPUs are on the hosts, not necessarily here (a login node): never fall back to CPU.
-        return Resources(cpu=False, ranks_per_node=min(per_node), nodes=len(per_node), gpus=tuple(gpus))
+        # The GPUs are on the hosts, not necessarily here (a login node): CPU only when asked for
+        # (DS_ACCELERATOR=cpu), or when this machine, one of the hosts, has no GPU.
+        cpu = env.get("DS_ACCELERATOR") == "cpu" or (not gpus and any(is_this_host(h) for h in slots))
+        return Resources(cpu=cpu, ranks_per_node=min(len(s) for s in slots.values()), nodes=len(slots),
+                         gpus=tuple(gpus), hosts=tuple(slots.items()))
 
     if p.include:
         chosen = _include_slots(p.include)

@@ -47,8 +47,7 @@ def run_request(req: RunRequest, console: Console | None = None) -> list[StageOu
     console = console or Console()
     manifest, plans, placement, res = prepare(req, console)
     todo = [p for p in plans if p.action != "skip"]
-    where = "CPU (DS_ACCELERATOR=cpu)" if res.cpu else f"{len(res.gpus)} GPU(s)"
-    console.say(f"project {manifest.name}: {len(todo)} stage(s) to run on {where}, world size {res.world_size}")
+    console.say(f"project {manifest.name}: {len(todo)} stage(s) to run on {res.where()}, world size {res.world_size}")
     for p in plans:
         console.say(f"  {p.spec.name:<10} {p.action:<7} {p.reason}")
     if not todo:
@@ -76,12 +75,13 @@ def run_request(req: RunRequest, console: Console | None = None) -> list[StageOu
         lines, warning = memory_report(manifest, p.spec, req.overrides, res, req.gpu_mem_gib)
         if req.dry_run:
             conf, exp = exp_location(p.spec)
-            cmd = with_ops_dir(A.build_launch(placement, res, conf, exp, p.spec.output_dir, req.overrides,
-                                              launcher=_dry_launcher()))
+            cmd = launch_command(placement, res, conf, exp, p.spec.output_dir, req.overrides, dry=True)
             console.say(f"\n# stage {p.spec.name} ({p.action}{': ' + p.reason if p.reason else ''})"
                         + (f"; its draft is chained from {p.spec.draft_from} first" if p.spec.draft_from
                            and p.spec.draft_from in {q.spec.name for q in todo} else ""))
             console.say(cmd.shell())
+            for line in cmd.comments:
+                console.say("# " + line)
             if req.measuring:
                 console.say("# then: " + " ".join(eval_argv(manifest, p.spec))
                             + (f" ; gate: stop unless tau >= {100 - req.gate:g}% of the input draft's"
@@ -108,6 +108,20 @@ def run_request(req: RunRequest, console: Console | None = None) -> list[StageOu
     if req.dry_run:
         return [_outcome(p.spec, p.action, "not run") for p in plans]
     return execute(manifest, plans, placement, res, req, console)
+
+
+def launch_command(placement: A.Placement, res: A.Resources, conf: Path, exp: str, output_dir: Path,
+                   overrides: list[str], dry: bool = False) -> A.LaunchCommand:
+    """One stage's launch: DeepSpeed's runner on one node, longspec's own over ssh on several
+    (launch/nodes.py), with the ops folder either way."""
+    from longspec_cli.launch import nodes
+
+    if nodes.uses_nodes(placement):
+        extra = {} if "TORCH_EXTENSIONS_DIR" in os.environ else {"TORCH_EXTENSIONS_DIR": ops_build_dir()}
+        return nodes.build_launch(placement, res, A.trainer_args(conf, exp, output_dir, overrides),
+                                  Path(conf).parent, extra_env=extra)
+    return with_ops_dir(A.build_launch(placement, res, conf, exp, output_dir, overrides,
+                                       launcher=_dry_launcher() if dry else None))
 
 
 def _dry_launcher() -> list[str]:
@@ -170,7 +184,7 @@ def run_one(manifest: Manifest, p: StagePlan, placement: A.Placement, res: A.Res
 
     ensure_prepared(manifest, spec, req.overrides, res.world_size, console.say)  # before DeepSpeed starts
     conf, exp = exp_location(spec)
-    cmd = with_ops_dir(A.build_launch(placement, res, conf, exp, spec.output_dir, req.overrides))
+    cmd = launch_command(placement, res, conf, exp, spec.output_dir, req.overrides)
     console.say(f"\n== {spec.name}: {p.action}{' (' + p.reason + ')' if p.reason else ''}\n$ {cmd.shell()}")
     kw = {k: v for k, v in (("grace_int", req.grace_int), ("grace_term", req.grace_term)) if v is not None}
     result = process.run_stage_process(cmd, spec.output_dir, spec.name, runfolder.config_overrides(req.overrides),
@@ -178,10 +192,17 @@ def run_one(manifest: Manifest, p: StagePlan, placement: A.Placement, res: A.Res
                                        quiet=req.quiet, **kw)
     p.wall_s = result.wall_s
     saved = _preempted_event(spec)
+    if saved and saved.get("time", 0) < result.started_unix - 1:
+        saved = None  # a preemption of an earlier launch
+    left = "no process of it is left"
+    if result.nodes is not None:
+        from longspec_cli.launch.nodes import leftovers_sentence
+
+        left = leftovers_sentence(result.nodes, cmd.hosts)
     if result.interrupted or result.stopped:
         how = "stopped by `longspec stop`" if result.stopped and not result.interrupted else "interrupted"
         what = (f"after saving checkpoint-{saved['step']}" if saved else f"after {result.wall_s:.0f} s")
-        raise LongspecError(f"stage {spec.name} {how} {what}; no process of it is left",
+        raise LongspecError(f"stage {spec.name} {how} {what}; {left}",
                             hint=f"`longspec run {manifest.root}` resumes it from its newest checkpoint",
                             exit_code=INTERRUPTED)
     if result.returncode != 0 and saved:  # 5 from the ranks, or -15: SIGTERM reached the launcher too
@@ -191,6 +212,11 @@ def run_one(manifest: Manifest, p: StagePlan, placement: A.Placement, res: A.Res
                             exit_code=PREEMPTED)
     rd = runfolder.RunDir(spec.output_dir)
     complete = rd.stage_complete()
+    if result.nodes and result.nodes.get("fault"):
+        from longspec_cli.core.diskspace import resume_sentence
+
+        raise RunFailed(f"stage {spec.name} failed in {result.wall_s:.0f} s: {result.nodes['fault']}; {left}\n"
+                        f"{resume_sentence(spec.output_dir)}", hint=f"full log: {spec.output_dir / process_log_name()}")
     if result.returncode != 0 or complete is None:
         _fail(spec, result, complete, console)
     out = _outcome(spec, p.action, "done", wall_s=result.wall_s)

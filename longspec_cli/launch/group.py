@@ -149,6 +149,9 @@ def stop_run(output_dir: Path, stage: str, *, grace_int: float = GRACE_INT_S,
         return None
     pid = info["pid"]
     atomic_write_json(Path(output_dir) / runfolder.RUN_INFO, {**info, "stop_requested_at": utc_now()})
+    if info.get("hosts") and info.get("run_id"):
+        return _stop_nodes(info, stage, grace_int=grace_int, grace_term=grace_term, say=say, save=save,
+                           save_timeout=save_timeout)
     # Between the check and the signal the group can only vanish, not be reused: a pgid is not
     # handed out again while a process of that group exists.
     if save and request_save(pid):
@@ -159,3 +162,31 @@ def stop_run(output_dir: Path, stage: str, *, grace_int: float = GRACE_INT_S,
             return StopOutcome(stage=stage, pid=pid, signal="SIGTERM", remaining=[], saved=True)
     last = terminate_group(pid, grace_int=grace_int, grace_term=grace_term, say=say)
     return StopOutcome(stage=stage, pid=pid, signal=last, remaining=liveness.group_members(pid))
+
+
+def _stop_nodes(info: dict, stage: str, *, grace_int: float, grace_term: float, say: Callable[[str], None] | None,
+                save: bool, save_timeout: float) -> StopOutcome:
+    """A run on several nodes: its leader (launch/fanout.py) passes the request on to every node and
+    ends only once it has checked every host. SIGTERM: save, then stop; SIGUSR2: stop now."""
+    pid, hosts = info["pid"], ", ".join(info["hosts"])
+    if save:
+        _signal(pid, signal.SIGTERM)
+        if say:
+            say(f"{stage}: every rank on {hosts} finishes its optimizer step and saves a checkpoint "
+                f"(up to {save_timeout:.0f} s; `longspec stop --now` stops without saving)")
+        if wait_group(pid, save_timeout):
+            return StopOutcome(stage=stage, pid=pid, signal="SIGTERM", remaining=[], saved=True)
+    elif say:
+        say(f"{stage}: ending every rank on {hosts} now, without saving")
+    _signal(pid, signal.SIGUSR2)
+    if wait_group(pid, grace_int + grace_term + 60.0):  # the leader ends the ranks, then checks each host
+        return StopOutcome(stage=stage, pid=pid, signal="SIGUSR2", remaining=[])
+    last = terminate_group(pid, grace_int=grace_int, grace_term=grace_term, say=say)
+    return StopOutcome(stage=stage, pid=pid, signal=last, remaining=liveness.group_members(pid))
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -12,7 +12,9 @@ once: SIGINT to the group, then SIGTERM, then SIGKILL after timeouts, until no p
 group is left (a further Ctrl-C skips to the next signal). Without a trainer rank in the group the
 first Ctrl-C stops at once too.
 `longspec stop` does the same from another terminal (launch/group.py, with the group's members
-and signals).
+and signals). On several nodes the group is the leader (launch/fanout.py): Ctrl-C is SIGTERM to it
+(every node saves), a second one SIGUSR2 (every rank ends now); its last line says what was checked
+on each host (a leader that died without it: every host is checked from here).
 """
 
 from __future__ import annotations
@@ -160,8 +162,10 @@ class RunResult:
     interrupted: bool = False  # Ctrl-C / SIGTERM to `longspec run`
     stopped: bool = False  # `longspec stop` from another terminal
     wall_s: float = 0.0
+    started_unix: float = 0.0
     log_tail: list[str] = field(default_factory=list)
     missing_module: str | None = None  # the launch could not import torch/deepspeed/...
+    nodes: dict | None = None  # several nodes: the leader's report (launch/fanout.py), checked on every host
 
 
 class _Interrupts:
@@ -225,6 +229,8 @@ def run_stage_process(cmd: LaunchCommand, output_dir: Path, stage: str, override
                 "overrides": list(overrides), "stage": stage, "output_dir": str(output_dir),
                 "world_size": cmd.world_size, "launcher_pid": os.getpid(), **(extra_info or {}),
             }
+            if cmd.hosts:  # ranks on several nodes, started over ssh by this leader
+                info.update(hosts=list(cmd.hosts), run_id=cmd.run_id, cpu=cmd.cpu)
             try:
                 runrecord.write(output_dir, info)
             except OSError as e:
@@ -232,14 +238,17 @@ def run_stage_process(cmd: LaunchCommand, output_dir: Path, stage: str, override
                 proc.wait()
                 _write_failed(output_dir / runfolder.RUN_INFO, output_dir, e)
             result = _follow(proc, log_path, start_offset, output_dir, stage, echo, intr,
-                             grace_int=grace_int, grace_term=grace_term)
+                             grace_int=grace_int, grace_term=grace_term, nodes=bool(cmd.hosts))
             ended_unix = time.time()
     result.wall_s = time.monotonic() - t0
+    result.started_unix = info["started_unix"]
     result.log_tail = last_lines(log_path, 40, since=start_offset)
     for line in result.log_tail:
         m = _MISSING_MODULE.search(line)
         if m:
             result.missing_module = m.group(1)
+    if cmd.hosts:
+        result.nodes = _nodes_outcome(cmd, result, echo)
     final, _ = runfolder.read_json(output_dir / runfolder.RUN_INFO)
     final = final if final is not None and final.get("pid") == proc.pid else info
     result.stopped = bool(final.get("stop_requested_at"))
@@ -262,8 +271,29 @@ def _write_failed(path: Path, output_dir: Path, e: OSError) -> None:
                     hint="free some space (or point output_dir elsewhere) and run again") from None
 
 
+def _nodes_outcome(cmd: LaunchCommand, result: RunResult, echo: Echo) -> dict:
+    """The leader's report; when it has none (it was killed), every host is checked from here: the
+    nodes' launchers saw their control channel close and their ranks save and exit."""
+    from longspec_cli.launch import nodes
+
+    outcome = nodes.read_outcome(result.log_tail)
+    if outcome is not None and outcome.get("run_id") == cmd.run_id:
+        return outcome
+    echo.write(f"the launcher of the nodes ended without a report; checking {', '.join(cmd.hosts)}\n")
+    env = dict(a.split("=", 1) for a in _flag_values(cmd.argv, "--env"))
+    left, unasked = nodes.end_everywhere(list(cmd.hosts), cmd.run_id, python=_flag_values(cmd.argv, "--python")[0],
+                                         cwd=_flag_values(cmd.argv, "--cwd")[0], env=env, wait=SAVE_TIMEOUT_S)
+    return {"code": result.returncode, "fault": None, "hosts": list(cmd.hosts), "left": left, "unasked": unasked,
+            "checked": True, "run_id": cmd.run_id}
+
+
+def _flag_values(argv: list[str], flag: str) -> list[str]:
+    stop = argv.index("--") if "--" in argv else len(argv)
+    return [argv[i + 1] for i in range(stop - 1) if argv[i] == flag]
+
+
 def _follow(proc: subprocess.Popen, log_path: Path, offset: int, output_dir: Path, stage: str,
-            echo: Echo, intr: _Interrupts, *, grace_int: float, grace_term: float) -> RunResult:
+            echo: Echo, intr: _Interrupts, *, grace_int: float, grace_term: float, nodes: bool = False) -> RunResult:
     progress = Progress(stage)
     tail = runfolder.MetricsTail(output_dir / runfolder.METRICS)
     read_log = _log_reader(log_path, offset)
@@ -286,6 +316,13 @@ def _follow(proc: subprocess.Popen, log_path: Path, offset: int, output_dir: Pat
         if intr.new():
             interrupted = True
             echo.clear()
+            if nodes:  # the leader passes a stop on to every node (launch/fanout.py)
+                os.kill(proc.pid, signal.SIGUSR2 if saving else signal.SIGTERM)
+                echo.write(f"\ninterrupt: {stage} stops now on every node, without saving\n" if saving else
+                           f"\ninterrupt: every rank of {stage} on every node finishes its optimizer step, "
+                           "saves a checkpoint and stops; Ctrl-C again to stop now without saving\n")
+                saving = True
+                continue
             if not saving and request_save(proc.pid):
                 saving = True
                 echo.write(f"\ninterrupt: {stage} finishes its optimizer step, saves a checkpoint and stops; "
