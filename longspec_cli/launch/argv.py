@@ -11,6 +11,8 @@ rank reads LOCAL_RANK from its environment instead. Without a visible GPU the co
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import re
 import shlex
@@ -33,6 +35,11 @@ INSTALL_HINT = "install the training extra: pip install 'longspec[train]'"
 RESERVED_KEYS = {"output_dir": "the run folder comes from longspec.yaml (stages[].output_dir)",
                  "draft_model_name_or_path": "the chain owns the draft: `longspec next-stage` sets it in the stage "
                                              "file from the upstream stage's final draft"}
+
+
+def encode_world_info(world: dict[str, list[int]]) -> str:
+    """DeepSpeed's --world_info value: urlsafe base64 of the JSON {host: [slots]} mapping."""
+    return base64.urlsafe_b64encode(json.dumps(world).encode("utf-8")).decode("utf-8")
 
 
 @dataclass(frozen=True)

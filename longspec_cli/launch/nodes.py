@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from longspec_cli.launch.argv import LaunchCommand, Placement, Resources
-from longspec_cli.launch.slurm import encode_world_info as encode_world
+from longspec_cli.launch.argv import encode_world_info as encode_world
 
 RUN_ID_ENV = "LONGSPEC_RUN_ID"  # longspec/nodectl.py reads the same name
 LEADER = "longspec_cli.launch.fanout"

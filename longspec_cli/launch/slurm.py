@@ -30,13 +30,13 @@ Stop signals, none lost (the script's own comments say the same, where it does i
 
 from __future__ import annotations
 
-import base64
-import json
 import re
 import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from longspec_cli.launch.argv import encode_world_info
 
 NODE_LAUNCHER = "longspec.nodelaunch"
 EXIT_PREEMPTED = 5  # longspec/preempt.py (the CLI never imports the trainer)
@@ -48,11 +48,6 @@ _WORLD_INFO_PY = ("import base64,json,sys; n=int(sys.argv[1]); "
                   "print(base64.urlsafe_b64encode(json.dumps({h: list(range(n)) for h in "
                   "sys.stdin.read().split()}).encode()).decode())")
 _FREE_PORT_PY = "import socket; s=socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"
-
-
-def encode_world_info(world: dict[str, list[int]]) -> str:
-    """DeepSpeed's --world_info value: urlsafe base64 of the JSON {host: [slots]} mapping."""
-    return base64.urlsafe_b64encode(json.dumps(world).encode("utf-8")).decode("utf-8")
 
 
 def node_launch_argv(world: dict[str, list[int]], node_rank: int, master_addr: str, master_port: int,
