@@ -190,7 +190,7 @@ def stage_prompts(path: Path, tokenizer, conf: dict, steps: int | None, *, lengt
     when too few are left), until every length bucket holds its share (per_length)."""
     from collections import deque
 
-    from longspec.data import DataError, read_records
+    from longspec.data import DataError, read_records, where_short
 
     from longspec.evalreport import bucket_of
 
@@ -198,7 +198,7 @@ def stage_prompts(path: Path, tokenizer, conf: dict, steps: int | None, *, lengt
     count = 0
     try:
         for line, rec in read_records(path, conf_get(conf, "data.on_bad_record", "error")):
-            tail.append((count, line, rec))
+            tail.append((count, where_short(path, line), rec))
             count += 1
     except (DataError, OSError) as e:
         raise PromptError(f"{path}: {e}", 3 if not isinstance(e, FileNotFoundError) else 2) from None
@@ -210,7 +210,7 @@ def stage_prompts(path: Path, tokenizer, conf: dict, steps: int | None, *, lengt
     left_drawn = dict(per_length)
     for idx, line, rec in reversed(tail):
         was_drawn = seen is not None and idx in seen
-        for p in record_prompts(rec, f"{path.name}:{line}", tokenizer, lengths, stops):
+        for p in record_prompts(rec, line, tokenizer, lengths, stops):
             b = bucket_of(len(p.ids), lengths)
             room = left_drawn if was_drawn else left
             if b is not None and room.get(b, 0) > 0:
