@@ -241,16 +241,25 @@ def stage_prompts(path: Path, tokenizer, conf: dict, steps: int | None, *, lengt
 def read_prompt_file(path: Path) -> list[tuple[int, Any]]:
     """A --prompts file: (line or item number, entry) from a JSON list or JSONL (blank lines skipped)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise PromptError(f"{path}: no such file", 2) from None
-    except (OSError, UnicodeDecodeError) as e:
+    except OSError as e:
         raise PromptError(f"{path}: cannot read ({e})", 3) from None
+    return parse_prompt_text(raw, path)
+
+
+def parse_prompt_text(raw: bytes, name) -> list[tuple[int, Any]]:
+    """read_prompt_file's entries from a file's bytes (`name` for messages: a path, ZIP:MEMBER)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PromptError(f"{name}: cannot read ({e})", 3) from None
     if text.lstrip().startswith("["):
         try:
             data = json.loads(text)
         except ValueError as e:
-            raise PromptError(f"{path}: not valid JSON ({e})", 3) from None
+            raise PromptError(f"{name}: not valid JSON ({e})", 3) from None
         return list(enumerate(data, 1))
     out = []
     for i, line in enumerate(text.splitlines(), 1):
@@ -258,7 +267,7 @@ def read_prompt_file(path: Path) -> list[tuple[int, Any]]:
             try:
                 out.append((i, json.loads(line)))
             except ValueError as e:
-                raise PromptError(f"{path}:{i}: not valid JSON ({e})", 3) from None
+                raise PromptError(f"{name}:{i}: not valid JSON ({e})", 3) from None
     return out
 
 

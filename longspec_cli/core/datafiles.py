@@ -11,7 +11,8 @@ A train_file is one of
 Pure: pyarrow is imported only when a parquet/arrow file's schema or rows are read (`columns`,
 `iter_rows`), so `validate` on JSONL data never loads it. Rows are streamed a record batch at a
 time (parquet: one row group read at a time), so memory does not grow with the set. A row is the
-record a JSONL line would be: its columns, a null column left out (the key a JSON record lacks).
+record a JSONL line would be: its columns, a null left out (the key a JSON object lacked when
+`datasets` unified the objects' keys into columns), inside structs too.
 """
 
 from __future__ import annotations
@@ -241,7 +242,7 @@ class RowReader:
             try:
                 for batch, frac in self._batches(pa, f):
                     names = batch.schema.names
-                    cols = [batch.column(i).to_pylist() for i in range(batch.num_columns)]
+                    cols = [_values(batch.column(i)) for i in range(batch.num_columns)]
                     for values in zip(*cols):
                         yield RowAt(f, row), {k: v for k, v in zip(names, values) if v is not None}
                         row += 1
@@ -267,6 +268,21 @@ class RowReader:
             else:
                 for batch in reader:
                     yield batch, min(stream.tell() / max(f.stat().st_size, 1), 1.0)
+
+
+def _values(column) -> list:
+    """A column's Python values; inside structs (a JSON object's unified keys) a null is a key
+    that object lacked, left out as at the top."""
+    values = column.to_pylist()
+    return [_drop_nulls(v) for v in values] if "struct<" in str(column.type) else values
+
+
+def _drop_nulls(v):
+    if isinstance(v, dict):
+        return {k: _drop_nulls(x) for k, x in v.items() if x is not None}
+    if isinstance(v, list):
+        return [_drop_nulls(x) for x in v]
+    return v
 
 
 def iter_rows(src: Source, batch_rows: int = 1024) -> Iterator[tuple[RowAt, dict]]:
