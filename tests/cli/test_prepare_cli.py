@@ -80,9 +80,11 @@ def test_prepare_then_status_validate_and_a_changed_or_bad_train_file(tmp_path):
     cot = write_parquet_shards([{"problem": "add 1 and 2 .", "qwq": "3 ."}], tmp_path / "qwq", shards=1)[0]
     blob = tmp_path / "slim.jsonl"
     blob.write_bytes(b"\x00\x01" * 100)
-    for path, said in ((cot, f"{cot}: its columns (problem, qwq) fit no short_text record, which needs text | target"),
-                       (blob, f"{blob}: a binary file")):
-        stage_file.write_text(text.replace(str(data), str(path)))
-        res = cli("validate", str(proj), "--json")
-        assert res.returncode == 1, res.stdout + res.stderr
-        assert any(said in p["message"] for p in json.loads(res.stdout)["problems"]), res.stdout
+    stage_file.write_text(text.replace(str(data), str(cot)))
+    long_file = proj / "conf" / "exp" / "long.yaml"
+    long_file.write_text(long_file.read_text().replace(str(data.parent / "long.jsonl"), str(blob)))
+    res = cli("validate", str(proj), "--json")
+    assert res.returncode == 1, res.stdout + res.stderr
+    said = [p["message"] for p in json.loads(res.stdout)["problems"] if p["severity"] == "error"]
+    assert said == [f"train_file {cot}: its columns (problem, qwq) fit no short_text record, which needs text | target",
+                    f"train_file {blob}: a binary file, not JSON/JSONL text nor a parquet or arrow file"], said
