@@ -1,11 +1,14 @@
 """What `longspec prepare` costs at scale, against the tokenizer itself, and what it saves a launch.
 
-    .venv/bin/python bench/bench_prepare.py [--sizes 100,300] [--no-launch] [--keep]
+    .venv/bin/python bench/bench_prepare.py [--sizes 100,300] [--formats jsonl,parquet] [--no-launch] [--keep]
 
-On generated JSONL of the tiny preset's kind of text (written under a temp folder), prints:
+On generated JSONL of the tiny preset's kind of text (written under a temp folder), and the same
+records as the hub serves parquet (data/train-0000i-of-0000n.parquet shards of about 100 MiB of
+text, row groups of 1,000 rows, read through a glob), prints:
   1. throughput: prepare's tokens/s (`python -m longspec.prepare`, cold cache) against the same
-     tokenizer's encode_batch on the same texts in this run (goal >= 0.7x);
-  2. peak RSS of prepare's whole process tree per size (goal <= 800 MiB, flat across sizes);
+     tokenizer's encode_batch on the same texts in this run (goal >= 0.7x), and parquet's tokens/s
+     against JSONL's on the same records (goal >= 1.0x);
+  2. peak RSS of prepare's whole process tree per size and format (goal <= 800 MiB, flat across sizes);
   3. a cache hit: `longspec prepare DIR base` once the cache exists (goal <= 3 s);
   4. launch to first step of `longspec run DIR base max_steps=2` with 100 MB against 1 MB of data,
      cache prepared (goal <= 1.5x), and cold (tokenizing included) for reference.
@@ -53,6 +56,28 @@ def generate(path: Path, mb: int, seed: int = 0) -> Path:
             f.write(line)
             written += len(line)
     return path
+
+
+def to_parquet(data: Path, folder: Path, shard_mb: int = 100, row_group: int = 1000) -> str:
+    """The JSONL's records as hub parquet shards (snappy, `row_group` rows per group); their glob."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir(parents=True, exist_ok=True)
+    shards = max(1, round(data.stat().st_size / (shard_mb * MIB)))
+    per = -(-sum(1 for _ in data.open()) // shards)
+    with data.open() as f:
+        for i in range(shards):
+            with pq.ParquetWriter(folder / f"train-{i:05d}-of-{shards:05d}.parquet",
+                                  pa.schema([("text", pa.string())])) as w:
+                left = per
+                while left > 0:
+                    rows = [json.loads(line) for _, line in zip(range(min(row_group, left)), f)]
+                    if not rows:
+                        break
+                    w.write_table(pa.Table.from_pylist(rows), row_group_size=row_group)
+                    left -= len(rows)
+    return str(folder / "train-*.parquet")
 
 
 def project(base: Path, name: str, data: Path) -> Path:
@@ -153,6 +178,7 @@ def first_step_wall(proj: Path, cache: Path, timeout: float = 1800) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="100,300", help="MiB of JSONL to prepare, comma-separated")
+    ap.add_argument("--formats", default="jsonl,parquet", help="jsonl and/or parquet (the same records)")
     ap.add_argument("--no-launch", action="store_true", help="skip the launch-to-first-step part")
     ap.add_argument("--launch-sizes", default="1,100", help="small,big MiB for launch to first step")
     ap.add_argument("--keep", action="store_true", help="keep the temp folder")
@@ -161,28 +187,45 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="ls-bench-prepare-"))
     print(f"load average at start: {load()}; temp folder {base}")
     try:
-        rows = []
+        rows, formats = [], args.formats.split(",")
         for mb in sizes:
             data = generate(base / f"data-{mb}.jsonl", mb)
             proj = project(base, f"p{mb}", data)
-            cache = base / f"cache-{mb}"
-            wall, peak, res = run_tree([*LONGSPEC, "prepare", str(proj), "base", "--json"], cache)
-            if res.returncode != 0:
-                sys.exit(f"prepare failed:\n{res.stderr[-3000:]}")
-            r = json.loads(res.stdout)["stages"][0]
-            rate = r["tokens"] / r["build_seconds"]
-            if not rows:                      # the reference on the first size's texts (same kind of text after)
-                ref, ref_tokens = encode_batch_rate(proj / "assets" / "target", data)
-            hit, _, hres = run_tree([*LONGSPEC, "prepare", str(proj), "base", "--json"], cache)
-            hit_r = json.loads(hres.stdout)["stages"][0]
-            rows.append((mb, r, wall, peak, rate, ref, hit, hit_r))
-            print(f"{mb:>5} MiB: {r['records']:,} records, {r['tokens']:,} tokens (encode_batch, {sizes[0]} MiB: {ref_tokens:,}); "
-                  f"prepare {r['build_seconds']:.1f} s tokenizing ({wall:.1f} s wall) = {rate / 1e6:.2f} M tok/s, encode_batch {ref / 1e6:.2f} M tok/s "
-                  f"-> {rate / ref:.2f}x (goal >= 0.7x); peak RSS of the tree {peak / MIB:.0f} MiB "
-                  f"(goal <= 800); cache hit {hit:.2f} s (built={hit_r['built']}; goal <= 3 s); load {load()}")
-        if len(rows) > 1:
-            print(f"peak RSS {rows[-1][0]} MiB / {rows[0][0]} MiB of data: {rows[-1][3] / rows[0][3]:.2f}x "
-                  "(flat = 1.0x)")
+            stage = proj / "conf" / "exp" / "base.yaml"
+            jsonl_text = stage.read_text()
+            for fmt in formats:
+                cache = base / f"cache-{mb}-{fmt}"
+                if fmt == "parquet":
+                    glob = to_parquet(data, base / f"parquet-{mb}" / "data")
+                    stage.write_text(jsonl_text.replace(str(proj / "assets" / "data" / "base.jsonl"), glob))
+                else:
+                    stage.write_text(jsonl_text)
+                wall, peak, res = run_tree([*LONGSPEC, "prepare", str(proj), "base", "--json"], cache)
+                if res.returncode != 0:
+                    sys.exit(f"prepare failed:\n{res.stderr[-3000:]}")
+                r = json.loads(res.stdout)["stages"][0]
+                rate = r["tokens"] / r["build_seconds"]
+                if not rows:                      # the reference on the first size's texts (same kind of text after)
+                    ref, ref_tokens = encode_batch_rate(proj / "assets" / "target", data)
+                hit, _, hres = run_tree([*LONGSPEC, "prepare", str(proj), "base", "--json"], cache)
+                hit_r = json.loads(hres.stdout)["stages"][0]
+                rows.append((mb, fmt, r, wall, peak, rate, hit, hit_r))
+                print(f"{mb:>5} MiB {fmt:<7}: {r['records']:,} records, {r['tokens']:,} tokens (encode_batch, {sizes[0]} MiB: "
+                      f"{ref_tokens:,}); prepare {r['build_seconds']:.1f} s tokenizing ({wall:.1f} s wall) = "
+                      f"{rate / 1e6:.2f} M tok/s, encode_batch {ref / 1e6:.2f} M tok/s -> {rate / ref:.2f}x (goal >= 0.7x); "
+                      f"peak RSS of the tree {peak / MIB:.0f} MiB (goal <= 800); cache hit {hit:.2f} s "
+                      f"(built={hit_r['built']}; goal <= 3 s); load {load()}", flush=True)
+            stage.write_text(jsonl_text)
+        by = {(mb, fmt): (rate, peak) for mb, fmt, _, _, peak, rate, _, _ in rows}
+        for mb in sizes:
+            if (mb, "jsonl") in by and (mb, "parquet") in by:
+                print(f"{mb:>5} MiB: parquet tokens/s / JSONL tokens/s = {by[mb, 'parquet'][0] / by[mb, 'jsonl'][0]:.2f}x "
+                      "(goal >= 1.0x)")
+        for fmt in formats:
+            if len(sizes) > 1:
+                lo, hi = by[sizes[0], fmt][1], by[sizes[-1], fmt][1]
+                print(f"{fmt}: peak RSS {sizes[-1]} MiB / {sizes[0]} MiB of data: {hi / MIB:.0f} / {lo / MIB:.0f} MiB = "
+                      f"{hi / lo:.2f}x (flat = 1.0x)")
         if args.no_launch:
             return
         lo, hi = (int(x) for x in args.launch_sizes.split(","))

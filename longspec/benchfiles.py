@@ -1,7 +1,8 @@
 """The paper's benchmarks from local files: LongBench's five long-output tasks and AIME problems.
 
     --bench longbench:FOLDER   FOLDER/<task>.jsonl for gov_report, qmsum, multi_news, lcc and
-                               repobench-p (any subset present): one JSON object per line with
+                               repobench-p (any subset present), or LongBench's data.zip as it is
+                               downloaded (its data/<task>.jsonl read from the zip): one JSON object per line with
                                LongBench's fields (`context`, `input`, `answers`, `length`,
                                `dataset`, `language`, `all_classes`, `_id`). Each prompt is the
                                task's instruction (the wording of upstream's benchmark script)
@@ -11,20 +12,25 @@
                                Prompts outside --min-prompt-tokens (1,200) .. --max-prompt-tokens
                                (the target's position limit minus 2,000) are left out, as upstream.
     --bench aime:FILE          JSONL (or a JSON list) of problems, the text in `problem` or
-                               `question`; the chat prompt as upstream's QwQ script builds it.
+                               `question`, or the set's parquet as downloaded (AI-MO/aimo-validation-aime:
+                               `id`, `problem`, `solution`, `answer`, `url`; a file, folder or glob
+                               read by core.datafiles); the chat prompt as upstream's QwQ script builds it.
 
 Nothing is downloaded: the files are LongBench's data.zip (huggingface.co/datasets/THUDM/LongBench)
 and an AIME set such as AI-MO/aimo-validation-aime, fetched by the user. A malformed line is an
-error naming FILE:LINE (exit 3).
+error naming FILE:LINE, or FILE:row N of a parquet file (exit 3).
 """
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 
-from longspec.prompts import SYSTEM_PROMPT, Prompt, PromptError, end_of_turn_ids, read_prompt_file
+from longspec.prompts import (SYSTEM_PROMPT, Prompt, PromptError, end_of_turn_ids, parse_prompt_text,
+                              read_prompt_file)
+from longspec_cli.core import datafiles
 
 LONGBENCH_SOURCE = "LongBench's data.zip from huggingface.co/datasets/THUDM/LongBench (data/<task>.jsonl)"
-AIME_SOURCE = "an AIME problem set, e.g. huggingface.co/datasets/AI-MO/aimo-validation-aime, saved as JSONL"
+AIME_SOURCE = "an AIME problem set, e.g. huggingface.co/datasets/AI-MO/aimo-validation-aime (its parquet, or JSONL)"
 MIN_PROMPT_TOKENS = 1200
 LIMIT_MARGIN = 2000
 
@@ -51,12 +57,43 @@ def parse_bench(spec: str) -> tuple[str, Path]:
     return kind, Path(where).expanduser()
 
 
-def _jsonl(path: Path):
-    """(line, object) of a JSONL file (or items of a JSON list); PromptError 3 naming FILE:LINE."""
-    for i, obj in read_prompt_file(path):
+def _jsonl(path, items=None):
+    """(FILE:LINE, object) of a JSONL file (or items of a JSON list); PromptError 3 naming FILE:LINE."""
+    for i, obj in (read_prompt_file(Path(path)) if items is None else items):
         if not isinstance(obj, dict):
             raise PromptError(f"{path}:{i}: expected a JSON object, got {type(obj).__name__}", 3)
-        yield i, obj
+        yield f"{path}:{i}", obj
+
+
+def _table_or_jsonl(path: Path):
+    """(where, object) of a parquet/arrow set (where: FILE:row N) or of a JSON/JSONL file."""
+    try:
+        src = datafiles.resolve(path)
+        if not src.table:
+            yield from _jsonl(path)
+            return
+        for at, obj in datafiles.iter_rows(src):
+            yield str(at), obj
+    except datafiles.SourceError as e:
+        raise PromptError(e.message, 3, hint=e.hint) from None
+
+
+def _longbench_files(where: Path) -> dict[str, tuple[str, object]]:
+    """task -> (name for messages, (line, object) items) of a LongBench folder or its data.zip."""
+    if where.is_dir():
+        return {t: (str(where / f"{t}.jsonl"), None) for t in LONGBENCH_TASKS if (where / f"{t}.jsonl").is_file()}
+    try:
+        with zipfile.ZipFile(where) as z:
+            members = {Path(n).name: n for n in sorted(z.namelist(), key=len, reverse=True)}
+            out = {}
+            for t in LONGBENCH_TASKS:
+                if f"{t}.jsonl" in members:
+                    name = f"{where}:{members[f'{t}.jsonl']}"
+                    out[t] = (name, parse_prompt_text(z.read(members[f"{t}.jsonl"]), name))
+            return out
+    except (zipfile.BadZipFile, OSError) as e:
+        raise PromptError(f"--bench longbench:{where}: not a folder nor a readable zip ({e})", 2,
+                          hint=f"nothing is downloaded: get {LONGBENCH_SOURCE}") from None
 
 
 def _chat(tokenizer, user: str, lead: str) -> list[int]:
@@ -75,9 +112,11 @@ def _chat(tokenizer, user: str, lead: str) -> list[int]:
 def longbench_prompts(folder: Path, tokenizer, *, min_tokens: int, max_tokens: int,
                       n: int | None) -> tuple[list[Prompt], dict]:
     """Prompts of every LongBench task file present in `folder` (at most n per task)."""
-    if not folder.is_dir():
-        raise PromptError(f"--bench longbench:{folder}: no such folder", 2, hint=f"nothing is downloaded: get {LONGBENCH_SOURCE}")
-    present = [t for t in LONGBENCH_TASKS if (folder / f"{t}.jsonl").is_file()]
+    if not folder.exists():
+        raise PromptError(f"--bench longbench:{folder}: no such folder or zip", 2,
+                          hint=f"nothing is downloaded: get {LONGBENCH_SOURCE}")
+    files = _longbench_files(folder)
+    present = list(files)
     if not present:
         raise PromptError(f"{folder}: none of {', '.join(t + '.jsonl' for t in LONGBENCH_TASKS)}", 2,
                           hint=f"nothing is downloaded: get {LONGBENCH_SOURCE}")
@@ -87,12 +126,13 @@ def longbench_prompts(folder: Path, tokenizer, *, min_tokens: int, max_tokens: i
     out_of_range = 0
     for task in present:
         user_fmt, lead = LONGBENCH_TASKS[task]
-        path = folder / f"{task}.jsonl"
+        path, items = files[task]
         kept[task] = 0
-        for line, obj in _jsonl(path):
+        for at, obj in _jsonl(path, items):
+            line = at.rsplit(":", 1)[1]
             for name in ("context",) + (("input",) if "{input}" in user_fmt else ()):
                 if not isinstance(obj.get(name), str):
-                    raise PromptError(f"{path}:{line}: field '{name}' must be a string (LongBench's format)", 3)
+                    raise PromptError(f"{at}: field '{name}' must be a string (LongBench's format)", 3)
             if n is not None and kept[task] >= n:
                 continue
             ids = _chat(tokenizer, user_fmt.format(context=obj["context"], input=obj.get("input", "")), lead)
@@ -110,16 +150,16 @@ def longbench_prompts(folder: Path, tokenizer, *, min_tokens: int, max_tokens: i
 
 def aime_prompts(path: Path, tokenizer, *, n: int | None) -> tuple[list[Prompt], dict]:
     """Prompts of an AIME-style problem file (`problem` or `question` per object)."""
-    if not path.is_file():
+    if not datafiles.names_data(path):
         raise PromptError(f"--bench aime:{path}: no such file", 2, hint=f"nothing is downloaded: get {AIME_SOURCE}")
     stops = end_of_turn_ids(tokenizer)
     prompts = []
-    for line, obj in _jsonl(path):
+    for at, obj in _table_or_jsonl(path):
         text = obj.get("problem", obj.get("question"))
         if not isinstance(text, str) or not text.strip():
-            raise PromptError(f"{path}:{line}: needs a string 'problem' or 'question' field", 3)
+            raise PromptError(f"{at}: needs a string 'problem' or 'question' field", 3)
         if n is None or len(prompts) < n:
-            ident = obj.get("id", obj.get("_id", line))
+            ident = obj.get("id", obj.get("_id", at.rsplit(":", 1)[1]))
             prompts.append(Prompt(_chat(tokenizer, text, ""), f"aime:{ident}", "aime", task="aime", stops=stops))
     if not prompts:
         raise PromptError(f"{path}: no problems", 3)

@@ -1,4 +1,5 @@
-"""Training data: JSON/JSONL readers, the label rule, padding, loaders.
+"""Training data: JSON/JSONL readers (parquet and arrow through core.datafiles), the label rule,
+padding, loaders.
 
 A sample is {"input_ids": (T,) long, "labels": (T,) long}; labels[t] is input_ids[t] where the
 token is trained and -100 where it is not (unshifted, Hugging Face style: the loss shifts).
@@ -25,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from longspec.collators import ENCODERS, RecordError  # noqa: F401  (RecordError: re-exported)
+from longspec_cli.core import datafiles
 
 IGNORE = -100
 # Bump whenever the tokens or labels a collator produces change: prepared caches made by an
@@ -43,16 +45,26 @@ class DataError(ValueError):
 # --------------------------------------------------------------------------- reading
 
 def read_records(path, on_bad_record: str = "error", skipped: list[str] | None = None,
-                 opened=None) -> Iterator[tuple[int, dict]]:
-    """Yield (line_no, record) from a JSONL file or a JSON array file.
+                 opened=None) -> Iterator[tuple[Any, dict]]:
+    """Yield (where, record) from a train_file: a JSONL or JSON array file (where = its line), or
+    parquet/arrow data as core.datafiles names it (where = a RowAt: file and row). `where(path, at)`
+    is the text that names a record.
 
     A line that is not valid JSON or not an object raises DataError("<file>:<line>: ...") or,
-    with on_bad_record="skip", is left out and its message appended to `skipped`. A file with no
-    usable record raises DataError whatever the mode.
+    with on_bad_record="skip", is left out and its message appended to `skipped`. A source with no
+    usable record raises DataError whatever the mode. `opened(reader)`, when given, receives an
+    object whose tell() is the bytes read so far (progress).
     """
     if on_bad_record not in BAD_RECORD_MODES:
         raise ValueError(f"on_bad_record must be one of {BAD_RECORD_MODES}, not {on_bad_record!r}")
-    path = Path(path)
+    try:
+        src = datafiles.resolve(path)
+    except datafiles.SourceError as e:
+        raise DataError(e.message) from None
+    if src.table:
+        yield from _table_records(src, skipped, opened)
+        return
+    path = src.files[0]
 
     def bad(line: int, msg: str) -> None:
         full = f"{path}:{line}: {msg}"
@@ -65,7 +77,7 @@ def read_records(path, on_bad_record: str = "error", skipped: list[str] | None =
     try:
         with open(path, encoding="utf-8-sig") as f:  # -sig: a leading BOM is not an error
             if opened is not None:  # progress: the caller reads f.buffer.tell()
-                opened(f)
+                opened(f.buffer)
             first = f.read(4096).lstrip()
             f.seek(0)
             items = _array_items(path, f) if first.startswith("[") else _jsonl_items(f)
@@ -79,8 +91,6 @@ def read_records(path, on_bad_record: str = "error", skipped: list[str] | None =
                     yield line, obj
     except FileNotFoundError:
         raise DataError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise DataError(f"{path}: is a folder, not a JSON/JSONL file") from None
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text ({e.reason})") from None
     except OSError as e:
@@ -88,6 +98,32 @@ def read_records(path, on_bad_record: str = "error", skipped: list[str] | None =
     if n == 0:
         bad_count = f" ({len(skipped)} bad)" if skipped else ""
         raise DataError(f"{path}: no usable records{bad_count}")
+
+
+def _table_records(src, skipped, opened):
+    """Rows of parquet/arrow data, streamed a record batch at a time (every row is an object)."""
+    reader = datafiles.RowReader(src)
+    if opened is not None:
+        opened(reader)
+    n = 0
+    try:
+        for at, rec in reader:
+            n += 1
+            yield at, rec
+    except datafiles.SourceError as e:
+        raise DataError(e.message) from None
+    if n == 0:
+        raise DataError(f"{src.spec}: no usable records (no rows)")
+
+
+def where(path, at) -> str:
+    """The text naming a record read_records gave: `FILE:LINE` or `SHARD:row N`."""
+    return str(at) if isinstance(at, datafiles.RowAt) else f"{path}:{at}"
+
+
+def where_short(path, at) -> str:
+    """The same with the file's name alone (evaluation prompts' record ids)."""
+    return at.short() if isinstance(at, datafiles.RowAt) else f"{Path(path).name}:{at}"
 
 
 def _jsonl_items(lines):
@@ -318,7 +354,7 @@ class TokenDataset(Dataset):
 
 def build_dataset(path, tokenizer, collator: str, max_seq_length: int,
                   on_bad_record: str = "error") -> TokenDataset:
-    """Read and tokenize a whole JSON/JSONL file for one stage's collator."""
+    """Read and tokenize a whole train_file (read_records) for one stage's collator."""
     if collator not in ENCODERS:
         raise DataError(f"unknown collator {collator!r}; choose one of {', '.join(COLLATORS)}")
     if on_bad_record not in BAD_RECORD_MODES:
@@ -333,7 +369,7 @@ def build_dataset(path, tokenizer, collator: str, max_seq_length: int,
         try:
             ids, trained = encode_record(rec, tokenizer, collator, max_seq_length)
         except RecordError as e:
-            msg = f"{path}:{line}: {e} (collator {collator})"
+            msg = f"{where(path, line)}: {e} (collator {collator})"
             if on_bad_record == "error":
                 raise DataError(msg) from None
             problems.append(msg)

@@ -18,6 +18,7 @@ from longspec import outputs
 from longspec.dist import print0, rank
 from longspec.entry import TrainError
 from longspec_cli.core import runfolder
+from longspec_cli.core.datafiles import names_data
 
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -68,7 +69,7 @@ def preflight(conf: dict[str, Any]) -> Preflight:
         raise TrainError(f"model_name_or_path = {target}: not a Hugging Face model folder (no config.json)")
     tcfg = target_config(target)
     train_file = Path(conf["train_file"])
-    if not train_file.is_file():
+    if not names_data(train_file):
         raise TrainError(f"train_file = {train_file}: file not found")
     for name in ("wandb", "tensorboard"):
         if conf["logging"][name]:

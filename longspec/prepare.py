@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from longspec_cli.core import prepared as P
+from longspec_cli.core import datafiles, prepared as P
 from longspec_cli.core.atomic import fsync_path
 
 CHUNK_RECORDS = 512          # records per batched tokenizer call / per worker task
@@ -147,9 +147,13 @@ def build(train_file: Path, target: str, fields: dict, folder: Path, tokenizer, 
     opts = Options(*(fields[k] for k in P.DATA_OPTIONS))
     if opts.collator not in data.ENCODERS:
         raise data.DataError(f"unknown collator {opts.collator!r}; choose one of {', '.join(data.COLLATORS)}")
+    try:
+        src = datafiles.resolve(fields["source"])          # absolute, as the cache's key names it
+    except datafiles.SourceError as e:
+        raise data.DataError(e.message) from None
     folder.mkdir(parents=True, exist_ok=True)
     _clean_strays(folder, keep=None)
-    src_before = P.stat_key(train_file)
+    src_before = [P.stat_key(f) for f in src.files]
     build_id = f"{time.strftime('%Y%m%d%H%M%S')}-{uuid.uuid4().hex[:8]}"
     dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
     writer = _Writer(folder, build_id, dtype)
@@ -157,13 +161,13 @@ def build(train_file: Path, target: str, fields: dict, folder: Path, tokenizer, 
     counts = collections.Counter()
     hist: collections.Counter = collections.Counter()
     fileobj: list = []
-    bar = _Progress(train_file.stat().st_size, label, progress)
+    bar = _Progress(src.size, label, progress)
     t0 = time.monotonic()
     try:
-        records = data.read_records(train_file, opts.on_bad_record, problems, opened=fileobj.append)
+        records = data.read_records(src.spec, opts.on_bad_record, problems, opened=fileobj.append)
         for line, result in _encoded(records, tokenizer, target, opts, workers):
             if isinstance(result, str):
-                msg = f"{train_file}:{line}: {result} (collator {opts.collator})"
+                msg = f"{data.where(train_file, line)}: {result} (collator {opts.collator})"
                 if opts.on_bad_record == "error":
                     raise data.DataError(msg)
                 problems.append(msg)
@@ -181,7 +185,7 @@ def build(train_file: Path, target: str, fields: dict, folder: Path, tokenizer, 
             raise data.DataError(f"{train_file}: no usable records for collator {opts.collator} "
                                  f"({len(problems)} bad)" + (f"; first: {problems[0]}" if problems else ""))
         bar.show(counts["records"], counts["tokens"], bar.total, final=True)
-        if P.stat_key(train_file) != src_before:
+        if [P.stat_key(f) for f in src.files] != src_before:
             raise data.DataError(f"{train_file} changed while it was being prepared; run it again")
         files = writer.commit()
     except BaseException:
@@ -189,8 +193,9 @@ def build(train_file: Path, target: str, fields: dict, folder: Path, tokenizer, 
         raise
     man = {"format": P.FORMAT, "key": fields, "build": build_id, "dtype": np.dtype(dtype).name,
            "collator_version": data.COLLATOR_VERSION,
-           "source": {"size": train_file.stat().st_size, "stat": src_before,
-                      "sha256": _source_sha(train_file)},
+           "source": {"size": src.size, "files": [
+               {"path": str(f), "size": f.stat().st_size, "stat": st, "sha256": _source_sha(f)}
+               for f, st in zip(src.files, src_before)]},
            "records": counts["records"], "tokens": counts["tokens"],
            "trained_tokens": counts["trained_tokens"], "truncated": counts["truncated"],
            "skipped": len(problems), "problems": problems[:data._KEEP_PROBLEMS],
@@ -222,7 +227,7 @@ def _source_sha(path: Path) -> str:
 
 def _tell(fileobj: list) -> int:
     try:
-        return fileobj[0].buffer.tell()
+        return fileobj[0].tell()
     except (IndexError, OSError, ValueError, AttributeError):
         return 0
 
@@ -384,13 +389,20 @@ def run(cfg) -> dict:
     d = conf["data"]
     target = conf["model_name_or_path"]
     train_file = Path(conf["train_file"])
-    if not train_file.is_file():
+    if not datafiles.names_data(train_file):
         raise TrainError(f"train_file = {train_file}: file not found")
-    workers = FLAGS.get("workers") or default_workers(d["collator"], train_file.stat().st_size)
+    workers = FLAGS.get("workers") or default_workers(d["collator"], _size(train_file))
     world = FLAGS.get("world") or int(os.environ.get("WORLD_SIZE", "1"))
     t0 = time.monotonic()
     ds, man, built = ensure(train_file, target, d, workers=workers, label=f"[{conf['stage']}] prepare")
     return {**P.result_of(man, conf, world, ds.folder, built, time.monotonic() - t0), "workers": workers}
+
+
+def _size(train_file: Path) -> int:
+    try:
+        return datafiles.resolve(train_file).size
+    except (datafiles.SourceError, OSError):
+        return 0                            # the build names what is wrong
 
 
 def _print_summary(r: dict) -> None:

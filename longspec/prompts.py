@@ -190,7 +190,7 @@ def stage_prompts(path: Path, tokenizer, conf: dict, steps: int | None, *, lengt
     when too few are left), until every length bucket holds its share (per_length)."""
     from collections import deque
 
-    from longspec.data import DataError, read_records
+    from longspec.data import DataError, read_records, where_short
 
     from longspec.evalreport import bucket_of
 
@@ -198,7 +198,7 @@ def stage_prompts(path: Path, tokenizer, conf: dict, steps: int | None, *, lengt
     count = 0
     try:
         for line, rec in read_records(path, conf_get(conf, "data.on_bad_record", "error")):
-            tail.append((count, line, rec))
+            tail.append((count, where_short(path, line), rec))
             count += 1
     except (DataError, OSError) as e:
         raise PromptError(f"{path}: {e}", 3 if not isinstance(e, FileNotFoundError) else 2) from None
@@ -210,7 +210,7 @@ def stage_prompts(path: Path, tokenizer, conf: dict, steps: int | None, *, lengt
     left_drawn = dict(per_length)
     for idx, line, rec in reversed(tail):
         was_drawn = seen is not None and idx in seen
-        for p in record_prompts(rec, f"{path.name}:{line}", tokenizer, lengths, stops):
+        for p in record_prompts(rec, line, tokenizer, lengths, stops):
             b = bucket_of(len(p.ids), lengths)
             room = left_drawn if was_drawn else left
             if b is not None and room.get(b, 0) > 0:
@@ -241,16 +241,25 @@ def stage_prompts(path: Path, tokenizer, conf: dict, steps: int | None, *, lengt
 def read_prompt_file(path: Path) -> list[tuple[int, Any]]:
     """A --prompts file: (line or item number, entry) from a JSON list or JSONL (blank lines skipped)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise PromptError(f"{path}: no such file", 2) from None
-    except (OSError, UnicodeDecodeError) as e:
+    except OSError as e:
         raise PromptError(f"{path}: cannot read ({e})", 3) from None
+    return parse_prompt_text(raw, path)
+
+
+def parse_prompt_text(raw: bytes, name) -> list[tuple[int, Any]]:
+    """read_prompt_file's entries from a file's bytes (`name` for messages: a path, ZIP:MEMBER)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PromptError(f"{name}: cannot read ({e})", 3) from None
     if text.lstrip().startswith("["):
         try:
             data = json.loads(text)
         except ValueError as e:
-            raise PromptError(f"{path}: not valid JSON ({e})", 3) from None
+            raise PromptError(f"{name}: not valid JSON ({e})", 3) from None
         return list(enumerate(data, 1))
     out = []
     for i, line in enumerate(text.splitlines(), 1):
@@ -258,7 +267,7 @@ def read_prompt_file(path: Path) -> list[tuple[int, Any]]:
             try:
                 out.append((i, json.loads(line)))
             except ValueError as e:
-                raise PromptError(f"{path}:{i}: not valid JSON ({e})", 3) from None
+                raise PromptError(f"{name}:{i}: not valid JSON ({e})", 3) from None
     return out
 
 

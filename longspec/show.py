@@ -54,10 +54,11 @@ def show_records(path: Path, tokenizer, collator: str, max_seq_length: int, coun
         if len(out) >= count:
             break
         try:
-            out.append({"index": index, "line": line, **inspect_record(rec, tokenizer, collator, max_seq_length)})
+            out.append({"index": index, "line": line if isinstance(line, int) else line.short(),
+                        **inspect_record(rec, tokenizer, collator, max_seq_length)})
         except data.RecordError as e:
             if on_bad_record == "error":
-                raise data.DataError(f"{path}:{line}: {e} (collator {collator})") from None
+                raise data.DataError(f"{data.where(path, line)}: {e} (collator {collator})") from None
     return out
 
 
@@ -124,7 +125,9 @@ def run(cfg) -> dict:
 
     conf = read_config(cfg)
     d, train_file = conf["data"], Path(conf["train_file"])
-    if not train_file.is_file():
+    from longspec_cli.core.datafiles import names_data
+
+    if not names_data(train_file):
         raise TrainError(f"train_file = {train_file}: file not found")
     tok = load_tokenizer(conf["model_name_or_path"])   # the trainer's own (a pad token set)
     records = show_records(train_file, tok, d["collator"], d["max_seq_length"], max(0, FLAGS["show"]),

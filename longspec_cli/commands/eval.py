@@ -26,9 +26,9 @@ EPILOG = """Examples:
 
   longspec eval demo long --lengths 1k,4k,16k,32k
 
-  longspec eval demo long --bench longbench:~/data/LongBench --num-prompts 20
+  longspec eval demo long --bench longbench:~/data/LongBench/data.zip --num-prompts 20
 
-  longspec eval demo longcot --bench aime:aime.jsonl
+  longspec eval demo longcot --bench aime:~/data/aimo-validation-aime/data/train-00000-of-00001.parquet
 
   longspec eval demo --method tree --tree-shape 4 16 16 16 16
 
@@ -64,10 +64,11 @@ that holds it. tau is reported per bucket, next to the input draft's (the draft_
 final draft on the same prompts); the quality gate compares them at the longest bucket.
 
 --bench longbench:FOLDER reads LongBench's gov_report, qmsum, multi_news, lcc and repobench-p
-.jsonl files (any subset; LongBench's data.zip from huggingface.co/datasets/THUDM/LongBench),
-keeps prompts of --min-prompt-tokens (1200) to --max-prompt-tokens (the target's limit - 2000)
-and reports per task; --bench aime:FILE reads problems (`problem` or `question`). Nothing is
-downloaded.
+.jsonl files (any subset), from the folder or from LongBench's data.zip as downloaded
+(huggingface.co/datasets/THUDM/LongBench), keeps prompts of --min-prompt-tokens (1200) to
+--max-prompt-tokens (the target's limit - 2000) and reports per task; --bench aime:FILE reads
+problems (`problem` or `question`) from JSONL or the set's parquet as downloaded
+(AI-MO/aimo-validation-aime). Nothing is downloaded.
 
 The default measurement is written to each stage's eval.json (what status and the gate read);
 --prompts, --bench or other settings write eval-<what>.json next to it.
@@ -97,8 +98,8 @@ def eval_cmd(
                                                    "tokens' worth); per task with --bench (default: all)."),
     lengths: Optional[str] = typer.Option(None, "--lengths", help="Context-length buckets, e.g. 1k,4k,16k,32k "
                                           "(default: powers of two from 1k up to max_seq_length).", show_default=False),
-    bench: Optional[str] = typer.Option(None, "--bench", help="longbench:FOLDER (LongBench .jsonl files) or "
-                                        "aime:FILE (problems): the paper's benchmarks from local files.",
+    bench: Optional[str] = typer.Option(None, "--bench", help="longbench:FOLDER|data.zip (LongBench .jsonl files) or "
+                                        "aime:FILE (problems: JSONL or parquet): the paper's benchmarks from local files.",
                                         show_default=False),
     min_prompt_tokens: Optional[int] = typer.Option(None, "--min-prompt-tokens", min=0,
                                                     help="--bench longbench: shortest prompt kept (default 1200).",

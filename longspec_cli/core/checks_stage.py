@@ -103,12 +103,7 @@ def check_paths(c: Composed, d: str, ctx: Context) -> list[Problem]:
     out: list[Problem] = []
     train = c.get("train_file")
     if usable(train):
-        p = abs_path(ctx, train)
-        if p.is_dir():
-            out.append(c.problem("error", "train_file", f"train_file {p} is a folder", "point at a .json/.jsonl file"))
-        elif not p.exists():
-            out.append(c.problem("error", "train_file", f"train_file {p} does not exist",
-                                 "fix the path, or create the data file"))
+        out += _train_file(c, d, abs_path(ctx, train))
     model = c.get("model_name_or_path")
     if usable(model) and not CHECKPOINT_RE.search(model):
         p = abs_path(ctx, model)
@@ -138,6 +133,31 @@ def check_paths(c: Composed, d: str, ctx: Context) -> list[Problem]:
             out.append(c.problem("error", "draft_model_name_or_path", f"draft_model_name_or_path {p} does not exist",
                                  "point at a draft_model_weights.pth, or null for a fresh draft"))
     return out
+
+
+def _train_file(c: Composed, d: str, p) -> list[Problem]:
+    """The data exists and can be read: JSON text, or parquet/arrow whose first file's columns fit
+    the stage's collator (its schema alone is read; pyarrow only for such files)."""
+    from longspec_cli.core import datafiles
+
+    if not datafiles.names_data(p):
+        return [c.problem("error", "train_file", f"train_file {p} does not exist", "fix the path, or create the data file")]
+    try:
+        src = datafiles.resolve(p)
+        if not src.table:
+            return []
+        names = datafiles.columns(src)
+    except datafiles.SourceError as e:
+        if e.hint == datafiles.PYARROW_HINT:
+            return [c.problem("warning", "train_file", f"train_file {p}: columns not checked ({e.message})", e.hint)]
+        return [c.problem("error", "train_file", f"train_file {e.message}", e.hint)]
+    collator = c.get(S.KEYS[d]["collator"])
+    if collator not in datafiles.COLLATOR_COLUMNS or datafiles.fitting(collator, names):
+        return []
+    return [c.problem("error", "train_file",
+                      f"train_file {src.files[0]}: its columns ({', '.join(names) or 'none'}) fit no "
+                      f"{collator} record, which needs {datafiles.wanted(collator)}",
+                      "rename the columns, or give this data to the stage whose collator reads them")]
 
 
 def _ds_on(c: Composed, block: str) -> bool | None:

@@ -3,8 +3,10 @@
 Pure: no torch, numpy or transformers (status composes the stage with Hydra, as validate does). `longspec prepare` (python -m longspec.prepare) builds a
 cache; the trainer memory-maps it; `status`, `validate` and the monitor read its small manifest.
 
-A cache is a folder <cache root>/prepared/<stem>-<key>/ (core.atomic.cache_root) named by the source path, the
-tokenizer's files and the data options (collator, max_seq_length, on_bad_record):
+A cache is a folder <cache root>/prepared/<stem>-<key>/ (core.atomic.cache_root) named by the source path (a
+file, a folder or a glob of shards: core.datafiles), the tokenizer's files and the data options (collator,
+max_seq_length, on_bad_record). The manifest fingerprints every file of the source (size, stat, sha256):
+a shard added, removed or changed makes the cache stale.
 
   manifest.json          written last (atomic): key, source fingerprint, counts, files, histogram
   <build>.tokens.bin     flat token ids (uint16 when the vocabulary fits, else uint32)
@@ -21,9 +23,12 @@ import hashlib
 import json
 import math
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from longspec_cli.core.datafiles import names_data
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -73,7 +78,8 @@ def key_fields(train_file: str | os.PathLike, target: str | os.PathLike, data: A
 
 def cache_dir(fields: dict[str, Any]) -> Path:
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_root() / f"{Path(fields['source']).stem[:40]}-{digest}"
+    stem = re.sub(r"[^\w.-]", "_", Path(fields["source"]).stem)[:40]      # a glob's * is no folder name
+    return cache_root() / f"{stem}-{digest}"
 
 
 def read_manifest(folder: Path) -> dict | None:
@@ -93,9 +99,9 @@ def check(folder: Path, fields: dict[str, Any], collator_version: int | None = N
           full: bool = True, hash_source_up_to: int | None = None) -> dict:
     """The manifest when the cache in `folder` may be trained on; CacheProblem(why) otherwise.
 
-    Always: the key, the source file (size, then content sha256 when its stat changed, for files
-    up to hash_source_up_to bytes if given), every data file's length. full=True adds the
-    checksums (only re-hashed when a file's stat changed)."""
+    Always: the key, every file of the source (the same list; each one's size, then its content
+    sha256 when its stat changed, for files up to hash_source_up_to bytes if given), every data
+    file's length. full=True adds the checksums (only re-hashed when a file's stat changed)."""
     from longspec_cli.core.runfolder import cached_sha256
 
     man = read_manifest(folder)
@@ -105,19 +111,7 @@ def check(folder: Path, fields: dict[str, Any], collator_version: int | None = N
         raise CacheProblem("prepared with other options or another tokenizer")
     if collator_version is not None and man.get("collator_version") != collator_version:
         raise CacheProblem("prepared by another version of the collators")
-    src, source = Path(fields["source"]), man.get("source") or {}
-    try:
-        size = src.stat().st_size
-        if size != source.get("size"):
-            raise CacheProblem(f"stale: {src.name} changed since it was prepared")
-        if stat_key(src) != source.get("stat"):
-            if hash_source_up_to is not None and size > hash_source_up_to:
-                raise CacheProblem(f"stale: {src.name} was modified since it was prepared "
-                                   "(`longspec prepare` compares its content)")
-            if cached_sha256(src) != source.get("sha256"):
-                raise CacheProblem(f"stale: {src.name} changed since it was prepared")
-    except OSError:
-        raise CacheProblem(f"stale: {src} is missing") from None
+    _check_source(fields["source"], man.get("source") or {}, hash_source_up_to)
     for name, info in (man.get("files") or {}).items():
         p = folder / name
         try:
@@ -131,6 +125,50 @@ def check(folder: Path, fields: dict[str, Any], collator_version: int | None = N
     if set(man.get("files") or {}) != {f"{man.get('build')}.{s}" for s in ("tokens.bin", "mask.bin", "idx")}:
         raise CacheProblem("corrupt: the manifest does not list the three data files")
     return man
+
+
+def source_files(source: str | os.PathLike) -> list[Path]:
+    """The files a train_file names (core.datafiles), in reading order; CacheProblem when none."""
+    from longspec_cli.core import datafiles
+
+    try:
+        return list(datafiles.resolve(source).files)
+    except datafiles.SourceError as e:
+        if not names_data(source):
+            raise CacheProblem(f"stale: {source} is missing") from None
+        raise CacheProblem(f"stale: {e.message}") from None
+
+
+def _check_source(source: str, recorded: dict, hash_up_to: int | None) -> None:
+    """Every file of the source as the manifest fingerprinted it (a manifest of one file, written
+    before sets of shards were read, holds that file's size, stat and sha256 at its top)."""
+    from longspec_cli.core.runfolder import cached_sha256
+
+    files = recorded.get("files")
+    if not isinstance(files, list):
+        files = [{"path": source, **{k: recorded.get(k) for k in ("size", "stat", "sha256")}}]
+    now = source_files(source)
+    names = [str(p) for p in now]
+    was = [str(f.get("path")) for f in files if isinstance(f, dict)]
+    if names != was:
+        added = [Path(n).name for n in names if n not in was]
+        gone = [Path(n).name for n in was if n not in names]
+        what = "; ".join(x for x in (f"added {', '.join(added[:3])}" if added else "",
+                                     f"removed {', '.join(gone[:3])}" if gone else "") if x) or "reordered"
+        raise CacheProblem(f"stale: the files of {Path(source).name} changed since it was prepared ({what})")
+    for src, info in zip(now, files):
+        try:
+            size = src.stat().st_size
+            if size != info.get("size"):
+                raise CacheProblem(f"stale: {src.name} changed since it was prepared")
+            if stat_key(src) != info.get("stat"):
+                if hash_up_to is not None and size > hash_up_to:
+                    raise CacheProblem(f"stale: {src.name} was modified since it was prepared "
+                                       "(`longspec prepare` compares its content)")
+                if cached_sha256(src) != info.get("sha256"):
+                    raise CacheProblem(f"stale: {src.name} changed since it was prepared")
+        except OSError:
+            raise CacheProblem(f"stale: {src} is missing") from None
 
 
 # ------------------------------------------------------------------------- schedule figures
@@ -209,7 +247,7 @@ def stage_prepared(conf: dict, base_dir: Path, world: int = 1, full: bool = Fals
     if not (isinstance(train, str) and isinstance(target, str)) or "${" in train + target or "???" in train + target:
         return PreparedState("unknown", "train_file or model_name_or_path not set")
     train_p, target_p = (_abs(base_dir, v) for v in (train, target))
-    if not train_p.is_file():
+    if not names_data(train_p):
         return PreparedState("unknown", f"train_file {train_p} not found")
     fields = key_fields(train_p, target_p, conf.get("data"))
     folder = cache_dir(fields)

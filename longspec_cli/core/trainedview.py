@@ -12,7 +12,8 @@ OPEN, CLOSE = "[", "]"
 
 def header(rec: dict) -> str:
     """`record 0 (line 1): 40 prompt, 12 trained, 0 cut tokens` plus what a reader should know."""
-    text = (f"record {rec['index']} (line {rec['line']}): {rec['prompt']:,} prompt, "
+    at = f"line {rec['line']}" if isinstance(rec["line"], int) else rec["line"]      # a table row: FILE:row N
+    text = (f"record {rec['index']} ({at}): {rec['prompt']:,} prompt, "
             f"{rec['trained']:,} trained, {rec['cut']:,} cut tokens")
     notes = []
     if rec.get("chat") and not rec.get("end_of_turn_trained"):

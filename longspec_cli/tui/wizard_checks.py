@@ -15,14 +15,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from longspec_cli.core import targets
-
-# Each collator accepts a record holding all the fields of one alternative.
-COLLATOR_FIELDS: dict[str, tuple[tuple[str, ...], ...]] = {
-    "short_text": (("text",), ("target",)),
-    "long_data": (("text",), ("article",), ("conversation",), ("messages",)),
-    "long_cot": (("problem", "qwq"), ("prompt", "response")),
-}
+from longspec_cli.core import datafiles, targets
+from longspec_cli.core.datafiles import COLLATOR_COLUMNS as COLLATOR_FIELDS
 SAMPLE_RECORDS = 5
 SAMPLE_BYTES = 1 << 20
 
@@ -100,12 +94,15 @@ def check_data(path: str, collator: str) -> Check:
     if not path.strip():
         return Check(False, "not set: `train_file: ???` until you fill it in", "warning")
     p = Path(os.path.expanduser(path.strip()))
-    if not p.exists():
+    if not datafiles.names_data(p):
         return Check(False, f"{p} does not exist")
-    if p.is_dir():
-        return Check(False, f"{p} is a folder; give a .json or .jsonl file")
     try:
+        src = datafiles.resolve(p)
+        if src.table:
+            return _check_columns(src, collator)
         records = read_first_records(p)
+    except datafiles.SourceError as e:
+        return Check(False, e.message)
     except (ValueError, UnicodeDecodeError) as e:
         return Check(False, f"{p.name}: not JSON or JSONL ({str(e).splitlines()[0]})")
     except OSError as e:
@@ -122,6 +119,15 @@ def check_data(path: str, collator: str) -> Check:
             return Check(False, f"record {i} has none of {want} (it has: {have})")
     used = next("+".join(a) for a in alternatives if all(k in records[0] for k in a))
     return Check(True, f"{len(records)} records checked: {used}")
+
+
+def _check_columns(src: datafiles.Source, collator: str) -> Check:
+    names = datafiles.columns(src)
+    used = datafiles.fitting(collator, names)
+    if used is None:
+        return Check(False, f"{src.files[0].name}: columns {', '.join(names) or 'none'} hold none of "
+                            f"{datafiles.wanted(collator)}")
+    return Check(True, f"{len(src.files)} {src.kind} file(s): {'+'.join(used)}")
 
 
 @dataclass(frozen=True)

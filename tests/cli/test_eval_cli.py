@@ -331,12 +331,14 @@ def test_eval_with_a_prompts_file(tiny_project, tmp_path):
 
 @pytest.mark.slow
 def test_eval_on_the_papers_benchmarks_from_local_files(tiny_project, tmp_path):
+    from tests.hubfiles import write_aime_parquet, zip_longbench
     from tests.trainer.test_eval_prompts import write_longbench
 
     root, out = tiny_project
     long_eval = (out.parent / "long" / "eval.json").read_bytes() if (out.parent / "long" / "eval.json").exists() else None
     folder = write_longbench(tmp_path / "LongBench", tasks=("gov_report", "qmsum", "lcc"), n=2, words=30)
-    res = runner.invoke(app, ["eval", str(root), "long", "--bench", f"longbench:{folder}", "--min-prompt-tokens", "0",
+    zipped = zip_longbench(folder, tmp_path / "data.zip")                  # LongBench's data.zip as downloaded
+    res = runner.invoke(app, ["eval", str(root), "long", "--bench", f"longbench:{zipped}", "--min-prompt-tokens", "0",
                               "--max-new-tokens", "8", "--lengths", "128,256,1k", "--json"])
     assert res.exit_code == 0, res.output
     r = json.loads(res.output[res.output.index("{"):])["results"][0]
@@ -348,12 +350,15 @@ def test_eval_on_the_papers_benchmarks_from_local_files(tiny_project, tmp_path):
     now = (out.parent / "long" / "eval.json")
     assert (now.read_bytes() if now.exists() else None) == long_eval                 # eval.json left alone
 
-    aime = tmp_path / "aime.jsonl"
-    aime.write_text("".join(json.dumps({"problem": f"add the numbers {i} , {i + 3} ."}) + "\n" for i in range(3)))
-    res = runner.invoke(app, ["eval", str(root), "base", "--bench", f"aime:{aime}", "--max-new-tokens", "6", "--json"])
+    problems = [f"add the numbers {i} , {i + 3} ." for i in range(3)]
+    parquet = write_aime_parquet(tmp_path / "train-00000-of-00001.parquet", problems)   # the AIME set as downloaded
+    res = runner.invoke(app, ["eval", str(root), "base", "--bench", f"aime:{parquet}", "--max-new-tokens", "6", "--json"])
     assert res.exit_code == 0, res.output
     r = json.loads(res.output[res.output.index("{"):])["results"][0]
     assert r["prompts"] == 3 and r["by_task"][0]["task"] == "aime" and r["methods"]["tree"]["lossless"] is True
+    assert [p["record"] for p in r["per_prompt"]] == ["aime:60", "aime:61", "aime:62"]
+    aime = tmp_path / "aime.jsonl"
+    aime.write_text("".join(json.dumps({"problem": t}) + "\n" for t in problems))
 
     with aime.open("a") as f:
         f.write('{"answer": 7}\n')

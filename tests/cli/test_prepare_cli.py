@@ -54,3 +54,37 @@ def test_prepare_then_status_validate_and_a_changed_or_bad_train_file(tmp_path):
     assert res.returncode == 3, res.stdout + res.stderr
     assert "base.jsonl:2502: missing field 'text'" in " ".join(res.stderr.split())
     assert prepared(proj, "base")["state"] == "stale"                  # the old cache is not replaced
+
+    # the same records as the hub serves a parquet dataset: shards behind a glob, used as they are
+    from tests.hubfiles import write_parquet_shards
+
+    recs = [json.loads(line) for line in data.read_text().splitlines()[:2500]]
+    shards = write_parquet_shards([dict(r, meta={"redpajama_set_name": "RedPajamaC4"}) for r in recs],
+                                  tmp_path / "SlimPajama" / "data", shards=2)
+    stage_file = proj / "conf" / "exp" / "base.yaml"
+    text = stage_file.read_text()
+    glob = tmp_path / "SlimPajama" / "data" / "train-*.parquet"
+    stage_file.write_text(text.replace(str(data), str(glob)))
+    res = cli("validate", str(proj))
+    assert res.returncode == 0 and " 0 errors" in res.stdout, res.stdout + res.stderr
+    res = cli("prepare", str(proj), "base", "--json")
+    assert res.returncode == 0, res.stderr[-3000:]
+    pq = json.loads(res.stdout)["stages"][0]
+    assert pq["built"] and pq["records"] == 2500 and pq["tokens"] == r["tokens"]     # the JSONL file's tokens
+    assert prepared(proj, "base")["state"] == "ready"
+    write_parquet_shards(recs[:4], tmp_path / "more", shards=1)[0].rename(shards[0].parent / "train-00002-of-00002.parquet")
+    st = prepared(proj, "base")
+    assert st["state"] == "stale" and "added train-00002-of-00002.parquet" in st["reason"]
+
+    # columns no collator of the stage reads, a binary file: validate says so, before any tokenizer
+    cot = write_parquet_shards([{"problem": "add 1 and 2 .", "qwq": "3 ."}], tmp_path / "qwq", shards=1)[0]
+    blob = tmp_path / "slim.jsonl"
+    blob.write_bytes(b"\x00\x01" * 100)
+    stage_file.write_text(text.replace(str(data), str(cot)))
+    long_file = proj / "conf" / "exp" / "long.yaml"
+    long_file.write_text(long_file.read_text().replace(str(data.parent / "long.jsonl"), str(blob)))
+    res = cli("validate", str(proj), "--json")
+    assert res.returncode == 1, res.stdout + res.stderr
+    said = [p["message"] for p in json.loads(res.stdout)["problems"] if p["severity"] == "error"]
+    assert said == [f"train_file {cot}: its columns (problem, qwq) fit no short_text record, which needs text | target",
+                    f"train_file {blob}: a binary file, not JSON/JSONL text nor a parquet or arrow file"], said

@@ -629,9 +629,10 @@ def test_schema_knows_every_trainer_key_and_its_default_fits():
 # ---------------------------------------------------------------- purity (timings: bench/bench_cli.py)
 
 def test_validate_imports_no_heavy_packages(proj):
+    """Nor pyarrow: the project's data is JSONL (pyarrow is for parquet/arrow paths alone)."""
     code = ("import sys; from longspec_cli.app import main; sys.argv=['longspec','validate',%r,'--json'];\n"
             "try:\n    main()\nexcept SystemExit:\n    pass\n"
-            "bad=[m for m in ('torch','deepspeed','transformers','textual') if m in sys.modules];"
+            "bad=[m for m in ('torch','deepspeed','transformers','textual','pyarrow') if m in sys.modules];"
             "print('HEAVY', bad)") % str(proj)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert "HEAVY []" in out.stdout, out.stdout + out.stderr

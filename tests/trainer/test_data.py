@@ -308,3 +308,23 @@ def test_loader_shards_shuffles_and_resumes(tmp_path, tok):
     resumed = _loader_batches(ds, skip_batches=2)
     assert order(resumed) == first[4:]
     assert order(resumed) == order(_loader_batches(ds, epoch=1))  # then whole epochs again
+
+
+def test_the_column_table_validate_reads_is_what_the_collators_accept(tok):
+    """core.datafiles.COLLATOR_COLUMNS (validate's column check) against longspec.collators, record by record."""
+    from longspec.collators import RecordError
+    from longspec_cli.core.datafiles import COLLATOR_COLUMNS
+
+    chat = [{"role": "user", "content": "add 1 and 2 ."}, {"role": "assistant", "content": "3 ."}]
+    value = {"conversation": chat, "messages": chat}
+    for collator, alternatives in COLLATOR_COLUMNS.items():
+        for alt in alternatives:
+            rec = {c: value.get(c, "the fox sees the moon .") for c in alt}
+            assert encode_record(rec, tok, collator, 256)[0], (collator, alt)
+            for c in alt:                             # one column fewer: no other alternative is complete
+                rest = {k: v for k, v in rec.items() if k != c}
+                if not any(set(a) <= set(rest) for a in alternatives):
+                    with pytest.raises(RecordError):
+                        encode_record(rest, tok, collator, 256)
+        with pytest.raises(RecordError):
+            encode_record({"unrelated": "x"}, tok, collator, 256)

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from longspec import benchfiles, evalreport, prompts as P
+from tests.hubfiles import write_aime_parquet, write_parquet_shards, zip_longbench
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +144,44 @@ def test_malformed_bench_files_name_file_and_line(tok, tmp_path):
     prompts, info = benchfiles.aime_prompts(aime, tok, n=2)
     assert [p.task for p in prompts] == ["aime", "aime"] and info["tasks"] == {"aime": 2}
     assert tok.decode(prompts[1].ids).endswith("<|im_start|>user\nadd 5 and 6 .<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_downloaded_bench_files_read_as_they_are(tok, tmp_path):
+    folder = write_longbench(tmp_path / "lb")
+    zipped = zip_longbench(folder, tmp_path / "data.zip")
+    want, info = benchfiles.longbench_prompts(folder, tok, min_tokens=0, max_tokens=100_000, n=None)
+    got, zinfo = benchfiles.longbench_prompts(zipped, tok, min_tokens=0, max_tokens=100_000, n=None)
+    assert [(p.ids, p.record, p.task) for p in got] == [(p.ids, p.record, p.task) for p in want]
+    assert zinfo["tasks"] == info["tasks"] and zinfo["prompt_source"] == str(zipped)
+    (folder / "qmsum.jsonl").write_text('{"context": "the fox .", "input": 3}\n')
+    with pytest.raises(P.PromptError) as e:
+        benchfiles.longbench_prompts(zip_longbench(folder, tmp_path / "bad.zip"), tok, min_tokens=0,
+                                     max_tokens=100_000, n=None)
+    assert e.value.code == 3 and e.value.message.startswith(f"{tmp_path / 'bad.zip'}:data/qmsum.jsonl:1: field 'input'")
+
+    problems = ["add 3 and 4 .", "add 5 and 6 ."]
+    pq_file = write_aime_parquet(tmp_path / "aime.parquet", problems)
+    jsonl = tmp_path / "aime.jsonl"
+    jsonl.write_text("".join(json.dumps({"problem": t}) + "\n" for t in problems))
+    prompts, info = benchfiles.aime_prompts(pq_file, tok, n=None)
+    plain, _ = benchfiles.aime_prompts(jsonl, tok, n=None)
+    assert [p.ids for p in prompts] == [p.ids for p in plain] and [p.record for p in prompts] == ["aime:60", "aime:61"]
+    write_aime_parquet(tmp_path / "nulls.parquet", ["add 1 and 1 .", None])
+    with pytest.raises(P.PromptError) as e:
+        benchfiles.aime_prompts(tmp_path / "nulls.parquet", tok, n=None)
+    assert e.value.code == 3 and e.value.message.startswith(f"{tmp_path / 'nulls.parquet'}:row 1: needs a string 'problem'")
+
+
+def test_stage_prompts_from_parquet_name_file_and_row(tok, tmp_path):
+    recs = [{"problem": f"add {i} and {i + 1} .", "qwq": f"it is {2 * i + 1} ."} for i in range(6)]
+    path, = write_parquet_shards(recs, tmp_path, shards=1, row_group=4)
+    jsonl = tmp_path / "cot.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    conf = {"data": {"collator": "long_cot", "on_bad_record": "error"}}
+    got, info = P.stage_prompts(path, tok, conf, None, lengths=[64, 128], per_length={64: 3, 128: 3})
+    want, _ = P.stage_prompts(jsonl, tok, conf, None, lengths=[64, 128], per_length={64: 3, 128: 3})
+    assert [p.ids for p in got] == [p.ids for p in want] and info["records"] == 6
+    assert [p.record for p in got] == [f"{path.name}:row {i}" for i in (3, 4, 5)]
 
 
 def test_decoding_stops_at_the_end_of_turn_or_the_eos():

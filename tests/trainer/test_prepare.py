@@ -120,6 +120,69 @@ def test_bad_record_names_file_and_line_in_error_and_skip_mode(tiny, tok, tmp_pa
     assert len(ds) == 2 and man["skipped"] == 1 and "bad.jsonl:2" in man["problems"][0]
 
 
+def records_of(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def data_sha(man: dict) -> list[str]:
+    return [man["files"][n]["sha256"] for n in sorted(man["files"])]
+
+
+def test_hub_layouts_give_the_jsonl_cache_and_every_shard_is_in_its_key(tiny, tok, tmp_path):
+    from tests.hubfiles import write_parquet_shards, write_saved_dataset
+
+    target = str(tiny["target"])
+    slim = [dict(r, meta={"redpajama_set_name": "RedPajamaC4"}) for r in records_of(tiny["data"]["base"])[:600]]
+    plain = tmp_path / "slim.jsonl"
+    plain.write_text("".join(json.dumps(r) + "\n" for r in slim))
+    shards = write_parquet_shards(slim, tmp_path / "SlimPajama" / "data", shards=2, row_group=128)
+    write_parquet_shards(slim[:5], tmp_path / "SlimPajama" / "data", shards=1, split="test")
+    saved = write_saved_dataset(records_of(tiny["data"]["long"]), tmp_path / "long_saved")
+    qwq = write_parquet_shards(records_of(tiny["data"]["longcot"]), tmp_path / "qwq", shards=1)[0]
+    for src, ref, (collator, seq) in ((tmp_path / "SlimPajama" / "data" / "train-*.parquet", plain, STAGES["base"]),
+                                      (saved, tiny["data"]["long"], STAGES["long"]),
+                                      (qwq, tiny["data"]["longcot"], STAGES["longcot"])):
+        want = prepare.ensure(ref, target, opts(collator, seq), tokenizer=tok, progress=False)[1]
+        ds, got, built = prepare.ensure(src, target, opts(collator, seq), tokenizer=tok, progress=False)
+        assert built and got["records"] == want["records"] and data_sha(got) == data_sha(want), src
+        assert got["chat_check"] == want["chat_check"]
+    assert [f["path"] for f in got["source"]["files"]] == [str(qwq)]
+
+    glob = str(tmp_path / "SlimPajama" / "data" / "train-*.parquet")
+    fields = P.key_fields(glob, target, opts(*STAGES["base"]))
+    folder = P.cache_dir(fields)
+    assert "*" not in folder.name and P.check(folder, fields, data.COLLATOR_VERSION)["records"] == 600
+    with pytest.raises(data.DataError, match="splits test, train"):      # the folder holds two splits
+        list(data.read_records(tmp_path / "SlimPajama" / "data"))
+    os.utime(shards[0])                                                 # touched, same bytes: still ready
+    assert P.check(folder, fields, data.COLLATOR_VERSION)
+    extra = write_parquet_shards(slim[:3], tmp_path / "extra", shards=1)[0]
+    extra.rename(shards[0].parent / "train-00002-of-00002.parquet")     # a shard more
+    with pytest.raises(P.CacheProblem, match=r"stale: the files of train-\*\.parquet changed .*added train-00002"):
+        P.check(folder, fields, data.COLLATOR_VERSION)
+    (shards[0].parent / "train-00002-of-00002.parquet").unlink()
+    write_parquet_shards(slim[:300] + [{"text": "x"}] + slim[301:], shards[0].parent, shards=2, row_group=128)  # shard 0 rewritten alike
+    with pytest.raises(P.CacheProblem, match="stale: train-00001-of-00002.parquet changed"):
+        P.check(folder, fields, data.COLLATOR_VERSION)
+
+
+def test_bad_rows_of_a_table_are_named_by_file_and_row(tiny, tok, tmp_path):
+    from tests.hubfiles import write_parquet_shards
+
+    recs = [{"problem": "add 1 and 2 .", "qwq": "it is 3 ."}, {"problem": "add 2 and 2 ."},
+            {"problem": "add 3 and 2 .", "qwq": "it is 5 ."}]
+    path = write_parquet_shards(recs, tmp_path / "cot", shards=1)[0]
+    with pytest.raises(data.DataError, match=rf"{path}:row 1: missing field 'qwq' \(collator long_cot\)"):
+        prepare.ensure(path.parent, str(tiny["target"]), opts("long_cot", 64), tokenizer=tok, progress=False)
+    ds, man, _ = prepare.ensure(path.parent, str(tiny["target"]), opts("long_cot", 64, on_bad_record="skip"),
+                                tokenizer=tok, progress=False)
+    assert len(ds) == 2 and man["skipped"] == 1 and man["problems"][0].startswith(f"{path}:row 1:")
+    cut = tmp_path / "cut.parquet"
+    cut.write_bytes(path.read_bytes()[:-30])                           # copied halfway
+    with pytest.raises(data.DataError, match="not a complete parquet file"):
+        list(data.read_records(cut))
+
+
 def big_jsonl(path: Path, mb: int) -> Path:
     line = json.dumps({"text": "the quick brown fox jumps over the lazy dog " * 40}) + "\n"
     with path.open("w") as f:

@@ -94,8 +94,9 @@ def tiny(tmp_path_factory) -> dict:
     return build_tiny(tmp_path_factory.mktemp("tiny"), family="qwen2")
 
 
-def write_project(root: Path, tiny: dict, draft: str | None = None) -> Path:
-    """root/conf/exp/{base,long}.yaml + root/conf/deepspeed/* (templates, CPU offload)."""
+def write_project(root: Path, tiny: dict, draft: str | None = None, data: dict | None = None) -> Path:
+    """root/conf/exp/{base,long}.yaml + root/conf/deepspeed/* (templates, CPU offload); `data`
+    replaces a stage's train_file."""
     conf = root / "conf"
     (conf / "exp").mkdir(parents=True, exist_ok=True)
     (conf / "deepspeed").mkdir(exist_ok=True)
@@ -111,7 +112,8 @@ def write_project(root: Path, tiny: dict, draft: str | None = None) -> Path:
     for stage, values in stages.items():
         text = STAGE_TEXT.format(stage=stage, conf=conf, target=tiny["target"],
                                  draft="null" if draft is None else draft,
-                                 train_file=tiny["data"][stage], output_dir=root / "runs" / stage,
+                                 train_file=(data or {}).get(stage, tiny["data"][stage]),
+                                 output_dir=root / "runs" / stage,
                                  **values)
         (conf / "exp" / f"{stage}.yaml").write_text(text)
     return conf
@@ -595,7 +597,11 @@ def test_stage2_two_ranks_zero3_offload_chains_from_stage1_and_every_rank_exits_
     exception", -6) unless the process group is torn down; each rank must exit 0."""
     assert base_run["proc"].returncode == 0, show(base_run["proc"])
     stage1 = base_run["run"] / "draft_model_weights.pth"
-    conf = write_project(tmp_path, tiny, draft=str(stage1))
+    from tests.hubfiles import write_saved_dataset
+
+    records = [json.loads(line) for line in Path(tiny["data"]["long"]).read_text().splitlines() if line.strip()]
+    saved = write_saved_dataset(records, tmp_path / "long_saved")    # the stage's data as save_to_disk wrote it
+    conf = write_project(tmp_path, tiny, draft=str(stage1), data={"long": saved})
     proc = launch(conf, "long", 2, extra_env={"LONGSPEC_CACHE_DIR": str(tmp_path / "cache")})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, show(proc)
