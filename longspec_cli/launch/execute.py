@@ -18,8 +18,8 @@ from longspec_cli.launch import argv as A
 from longspec_cli.launch.gate import GATE_FAILED, check_gate, draft_measured, eval_argv, eval_of, measure_stage
 from longspec_cli.launch.plan import (Console, RunRequest, StageOutcome, StagePlan, as_float, exp_location,
                                       file_state, plan_stages)
-from longspec_cli.launch.preflight import (check_overrides, disk_reports, memory_report, report_problems,
-                                           resolve_placement, validation_problems, world_label)
+from longspec_cli.launch.preflight import (check_overrides, disk_reports, memory_report, refuse_unless_forced,
+                                           report_problems, resolve_placement, validation_problems, world_label)
 
 
 LOW_SPACE_BYTES = 64 * 1024 ** 2  # a failed stage with less free than this is reported as a full disk
@@ -96,15 +96,8 @@ def run_request(req: RunRequest, console: Console | None = None) -> list[StageOu
     disk_warnings = [f"{p.spec.name}: {disk[id(p)][1]}" for p in todo if disk[id(p)][1]]
     for w in disk_warnings:
         console.warn(w)
-    if disk_warnings and not req.force and not req.dry_run:
-        raise RefusedError(f"not enough free disk space for {len(disk_warnings)} stage(s); nothing was started",
-                           hint="free some space, lower save_total_limit or move output_dir; "
-                                f"`longspec run {manifest.root} --force` launches anyway")
-    if errors and not req.force:
-        # `demo` runs this too and has no --force: the hints name `run`'s.
-        raise RefusedError(f"{errors} validation error(s) in the stage(s) to run; nothing was started",
-                           hint=f"fix them (`longspec validate` lists them), or launch anyway with "
-                                f"`longspec run {manifest.root} --force`")
+    # `demo` runs this too and has no --force: the hints name `run`'s. A dry run only warns of disk.
+    refuse_unless_forced(manifest, errors, [] if req.dry_run else disk_warnings, force=req.force)
     if req.dry_run:
         return [_outcome(p.spec, p.action, "not run") for p in plans]
     return execute(manifest, plans, placement, res, req, console)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from longspec_cli.core.manifest import Manifest, StageSpec
-from longspec_cli.errors import LongspecError, UsageError
+from longspec_cli.errors import LongspecError, RefusedError, UsageError
 from longspec_cli.launch import argv as A
 from longspec_cli.launch import memory as M
 from longspec_cli.launch.plan import Console, StagePlan, composed
@@ -72,6 +72,20 @@ def report_problems(problems: list[Any], console: Console) -> int:
             console.warn(text)
     console.err.flush()
     return errors
+
+
+def refuse_unless_forced(manifest: Manifest, errors: int, disk_warnings: list[str], *, force: bool,
+                         nothing: str = "started", forced: str = "launches anyway", flags: str = "") -> None:
+    """The preflight's verdict, one wording for `run` and `run --slurm`: too little disk space or
+    validation errors refuse (exit 1) unless --force. `nothing`: what did not happen ("started",
+    "submitted"); `forced`: what --force does; `flags`: the command's own flags before --force."""
+    again = f"`longspec run {manifest.root}{' ' + flags if flags else ''} --force` {forced}"
+    if disk_warnings and not force:
+        raise RefusedError(f"not enough free disk space for {len(disk_warnings)} stage(s); nothing was {nothing}",
+                           hint=f"free some space, lower save_total_limit or move output_dir; {again}")
+    if errors and not force:
+        raise RefusedError(f"{errors} validation error(s) in the stage(s) to run; nothing was {nothing}",
+                           hint=f"fix them (`longspec validate` lists them), or {again}")
 
 
 def world_label(res: A.Resources) -> str:

@@ -347,14 +347,8 @@ def write_slurm(req, opts: SlurmOptions | None = None, *, submit: bool, out=None
     disk_warnings = [f"{pl.spec.name}: {w}" for pl, _, w in disk if w]
     for w in disk_warnings:
         console.warn(w)
-    if disk_warnings and not req.force:
-        raise RefusedError(f"not enough free disk space for {len(disk_warnings)} stage(s); nothing was submitted",
-                           hint="free some space, lower save_total_limit or move output_dir; "
-                                f"`longspec run {manifest.root} --slurm --force` writes the script anyway")
-    if errors and not req.force:
-        raise RefusedError(f"{errors} validation error(s) in the stage(s) to run; nothing was submitted",
-                           hint=f"fix them (`longspec validate` lists them), or write the script anyway with "
-                                f"`longspec run {manifest.root} --slurm --force`")
+    preflight.refuse_unless_forced(manifest, errors, disk_warnings, force=req.force, nothing="submitted",
+                                   forced="writes the script anyway", flags="--slurm")
 
     stages = []
     for i, pl in enumerate(todo):

@@ -27,7 +27,7 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 VERB_CALL = re.compile(r"longspec ([a-z][a-z-]*)((?:(?!longspec )[^`\n;])*)")  # up to a backtick
 MESSAGE_CALL = re.compile(r"(Error|Failed|Problem|problem)$")
 # Flags of other programs that messages quote, each with the program the message names.
-FOREIGN = {"--local-dir": "huggingface-cli", "--config-dir": "Hydra"}
+FOREIGN = {"--local-dir": "huggingface-cli", "--config-dir": "Hydra", "--qos": "sbatch"}
 # Which verbs can print a module's messages (commands/<verb>.py print their own).
 MODULE_VERBS = {
     # demo runs the same pipeline (see NOT_FROM_DEMO)
