@@ -43,7 +43,7 @@ def stop(
     """Stop a running training stage: save a checkpoint first (SIGTERM to the ranks), then stop."""
 
     def body() -> None:
-        from longspec_cli.core import runfolder, runrecord
+        from longspec_cli.core import runrecord
         from longspec_cli.core.manifest import load_manifest
         from longspec_cli.errors import RefusedError, UsageError
         from longspec_cli.launch import group
@@ -55,7 +55,7 @@ def stop(
         stopped, stale = [], []
         stopped += _stop_jobs(manifest, specs, save=not now, save_timeout=save_timeout)
         for spec in specs:
-            info, _ = runfolder.read_json(spec.output_dir / runfolder.RUN_INFO)
+            info = runrecord.read(spec.output_dir)
             if info is None or runrecord.kind(info) == runrecord.SLURM:
                 continue
             outcome = group.stop_run(spec.output_dir, spec.name, grace_int=timeout, grace_term=timeout,

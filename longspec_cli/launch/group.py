@@ -17,8 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from longspec_cli.core import liveness, runfolder
-from longspec_cli.core.atomic import atomic_write_json
+from longspec_cli.core import liveness, runrecord
 from longspec_cli.errors import RefusedError
 
 GRACE_INT_S = 15.0  # after SIGINT: time for the ranks to unwind and the launcher to clean up
@@ -122,7 +121,7 @@ class StopOutcome:
 
 def live_run(output_dir: Path) -> dict | None:
     """run.json of a run that is still alive on this host, or None. Never trusts a bare pid."""
-    info, _ = runfolder.read_json(Path(output_dir) / runfolder.RUN_INFO)
+    info = runrecord.read(output_dir)
     if info is None:
         return None
     host = liveness.other_host(info)
@@ -148,7 +147,7 @@ def stop_run(output_dir: Path, stage: str, *, grace_int: float = GRACE_INT_S,
     if info is None:
         return None
     pid = info["pid"]
-    atomic_write_json(Path(output_dir) / runfolder.RUN_INFO, {**info, "stop_requested_at": utc_now()})
+    runrecord.update(output_dir, stop_requested_at=utc_now())
     if info.get("hosts") and info.get("run_id"):
         return _stop_nodes(info, stage, grace_int=grace_int, grace_term=grace_term, say=say, save=save,
                            save_timeout=save_timeout)

@@ -249,7 +249,7 @@ def run_stage_process(cmd: LaunchCommand, output_dir: Path, stage: str, override
             result.missing_module = m.group(1)
     if cmd.hosts:
         result.nodes = _nodes_outcome(cmd, result, echo)
-    final, _ = runfolder.read_json(output_dir / runfolder.RUN_INFO)
+    final = runrecord.read(output_dir)
     final = final if final is not None and final.get("pid") == proc.pid else info
     result.stopped = bool(final.get("stop_requested_at"))
     try:
