@@ -1,0 +1,228 @@
+"""The chain tau `eval` measures, computed while a stage trains: the target's greedy continuation
+of each prompt once, then the block walk of greedy chain decoding over the draft's teacher-forced
+guesses.
+
+Prompts: `eval`'s default measurement of the stage (longspec.prompts.default_prompts with the
+run's step count: the same records, cuts, length buckets, new-token limits and stop tokens).
+
+Continuations, once per run: the frozen target decodes each prompt greedily for max_new + gamma
+tokens, without stopping (every rank runs the same number of forwards, which ZeRO-3's parameter
+gathering needs; the tokens after a stop are what the target's verify forward sees beyond it).
+`end` = where decoding stops: after the first stop token, or at max_new. They are kept in the run
+folder (continuations.json) with a digest of what made them (continuation_digest: the target's
+config and weight files, the tokenizer files, every prompt's tokens, limit and stop tokens); a
+resume with the same digest reuses them, and `eval` checks its own greedy output against them.
+
+The walk. Greedy chain decoding (longspec.spec_decode.speculative_decode with GlideProposer) with
+g tokens generated (prompt P tokens, continuation c_0 .. c_{g-1} verified; the target's cache ends
+at c_{g-2}) proposes d_j, j = 1..gamma, from the draft at position P + g - 2 + j with input token
+c_{g-2+j} (d_{j-1} = c_{g-2+j} whenever proposal j is reached), its self-attention over its own
+inputs, and its cross-attention on the target's K/V of positions 0 .. P + g - 2: the lag-j mask of
+training (keys up to t - j). So d_j is the draft's teacher-forced greedy token at lag j on
+prompt + continuation, read at position P + g - 2 + j; it is accepted when it equals c_{g-1+j}.
+k accepted gives k + 1 tokens (the bonus), and the next block starts with g + k + 1. tau = tokens
+over blocks, summed over prompts (as eval's figures): eval's chain tau for this draft, up to
+floating point (a teacher-forced forward and a cached one round differently).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+VERSION = 1
+ARGMAX_ROWS = 1024          # rows of hidden states per vocabulary projection (no (T, V) logits at 32k)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                    "merges.txt", "added_tokens.json", "chat_template.jinja", "tokenizer.model")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt")
+
+
+@dataclass
+class Continuation:
+    tokens: list[int]           # max_new + gamma greedy tokens after the prompt (no stop applied)
+    end: int                    # tokens decoding keeps: after the first stop token, or max_new
+
+
+def continuation_digest(target: Path, prompts: list) -> str:
+    """sha256 of what makes the continuations: the target's config.json and its weight files
+    (names and sizes: a 60 GB target is not re-read), the tokenizer files, and every prompt's
+    tokens, new-token limit and stop tokens (longspec.prompts.Prompt)."""
+    h = hashlib.sha256(f"chainwalk {VERSION}\n".encode())
+    target = Path(target)
+    for f in sorted(target.iterdir()) if target.is_dir() else ():
+        if f.name == "config.json" or f.name in _TOKENIZER_FILES:
+            h.update(f.name.encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
+        elif f.suffix in _WEIGHT_SUFFIXES:
+            h.update(f"{f.name}\0{f.stat().st_size}".encode())
+    for p in prompts:
+        h.update(json.dumps([p.ids, p.max_new, list(p.stops)]).encode())
+    return h.hexdigest()
+
+
+def stop_end(tokens: list[int], max_new: int, stops) -> int:
+    """How many of ``tokens`` greedy decoding keeps (longspec.spec_decode's own stop rule)."""
+    from longspec.spec_decode import finish_tokens
+
+    return len(finish_tokens(tokens, max_new, stops)[0])
+
+
+def generate(model, prompts: list, gamma: int, device, rank: int = 0, world: int = 1) -> dict[int, list[int]]:
+    """{prompt index: max_new + gamma greedy tokens} for this rank's share (round-robin) of
+    ``prompts``; ``model`` is the target's transformers model. Every rank makes the same number of
+    forwards (stand-in ones to make up a shorter share)."""
+    import torch
+
+    from longspec.spec_decode import greedy_decode
+
+    def share(r: int) -> list[int]:
+        return list(range(r, len(prompts), world))
+
+    forwards = [sum(prompts[i].max_new + gamma for i in share(r)) for r in range(world)]
+    out = {}
+    for i in share(rank):
+        ids = torch.tensor([prompts[i].ids], device=device)
+        out[i] = greedy_decode(model, ids, prompts[i].max_new + gamma, None).tokens
+    left = max(forwards) - forwards[rank]
+    if left > 0:                                   # a stand-in: one forward per token
+        greedy_decode(model, torch.tensor([prompts[0].ids[:1]], device=device), left, None)
+    return out
+
+
+def walk(cont: list[int], end: int, guess: list[list[int]], gamma: int) -> tuple[list[int], list[int], list[int]]:
+    """Greedy chain decoding's blocks over a continuation: (tokens per block, proposals reached per
+    draft position, proposals accepted per draft position). guess[j - 1][m - 1] = the draft's greedy
+    token at lag j that predicts cont[m] (teacher-forced at position P + m - 1)."""
+    accepted, reached, agreed = [], [0] * gamma, [0] * gamma
+    g = 1                                          # the prefill gave cont[0]
+    while g < end:
+        k = 0
+        while k < gamma:
+            reached[k] += 1
+            if guess[k][g + k - 1] != cont[g + k]:
+                break
+            agreed[k] += 1
+            k += 1
+        accepted.append(k + 1)
+        g += k + 1
+    return accepted, reached, agreed
+
+
+def draft_guesses(module, rows: list[tuple[list[int], int, int]], gamma: int, device) -> list[list[list[int]]]:
+    """For rows [(prompt + continuation tokens, P, L)]: per row, per lag j = 1..gamma, the draft's
+    greedy tokens at positions P .. P + L - 1 (a list of L ids; L = 0: a stand-in row). One padded
+    batch: the target forward, the draft's lags (longspec.simtau.draft_all_lags), the argmax over
+    the target's lm_head (gathered under ZeRO-3: every rank must call this as often)."""
+    import torch
+
+    from longspec.simtau import draft_all_lags
+    from longspec.zero import gathered
+
+    target, draft = module.target, module.draft
+    dtype = draft.input_layernorm.weight.dtype
+    B, T = len(rows), max(len(r[0]) for r in rows)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    real = torch.zeros(B, T, dtype=torch.bool)
+    sel = torch.zeros(B, T, dtype=torch.bool)
+    for b, (toks, p, n) in enumerate(rows):
+        ids[b, :len(toks)] = torch.tensor(toks)
+        real[b, :len(toks)] = True
+        sel[b, p:p + n] = True
+    ids, real, sel = ids.to(device), real.to(device), sel.to(device)
+    with torch.no_grad():
+        mask = real.long() if bool((~real).any()) else None
+        pos = torch.arange(T, device=device).unsqueeze(0).expand(B, T)
+        tgt = target(ids, pos, attention_mask=mask)
+        hidden = target.embed(ids).to(dtype)
+        outs = draft_all_lags(draft, hidden, tgt.k, tgt.v, target.rotary(pos, hidden), mask, gamma)
+        with gathered(target.lm_head.weight) as w:
+            per_lag = [_argmax(h[sel], w).tolist() if bool(sel.any()) else [] for h in outs]
+    out, a = [], 0
+    for _, _, n in rows:
+        out.append([lag[a:a + n] for lag in per_lag])
+        a += n
+    return out
+
+
+def _argmax(hidden, weight):
+    import torch
+
+    rows = [torch.argmax(hidden[a:a + ARGMAX_ROWS].float() @ weight.float().t(), dim=-1)
+            for a in range(0, hidden.shape[0], ARGMAX_ROWS)]
+    return torch.cat(rows)
+
+
+def chain_counts(module, prompts: list, conts: dict[int, Continuation], lengths: list[int], gamma: int,
+                 device, rank: int = 0, world: int = 1, batch: int = 1) -> Any:
+    """float64 (len(lengths) + 2, max(2, gamma)) of this rank's share of ``prompts`` (round-robin):
+    rows 0..len(lengths)-1 = [tokens, blocks] per length bucket; then the proposals accepted and
+    reached per draft position. Every rank runs the same number of batches (stand-ins count nothing)."""
+    import torch
+
+    nb = len(lengths)
+    counts = torch.zeros(nb + 2, max(2, gamma), dtype=torch.float64)
+    mine = list(range(rank, len(prompts), world))
+    per_rank = math.ceil(len(prompts) / world)
+    for a in range(0, per_rank, batch):
+        chunk = mine[a:a + batch]
+        rows = []
+        for i in chunk or [0]:                     # a stand-in batch: prompt 0, nothing counted
+            n = conts[i].end + gamma - 1 if chunk else 0
+            rows.append((prompts[i].ids + conts[i].tokens[:n], len(prompts[i].ids), n))
+        guesses = draft_guesses(module, rows, gamma, device)
+        for i, g in zip(chunk, guesses):
+            acc, reached, agreed = walk(conts[i].tokens, conts[i].end, g, gamma)
+            b = lengths.index(prompts[i].bucket)
+            counts[b, 0] += sum(acc)
+            counts[b, 1] += len(acc)
+            counts[nb, :gamma] += torch.tensor(agreed, dtype=torch.float64)
+            counts[nb + 1, :gamma] += torch.tensor(reached, dtype=torch.float64)
+    return counts
+
+
+def figures(counts, lengths: list[int], prompts: list, gamma: int) -> dict:
+    """tau over all prompts, by length bucket, and the acceptance rate at each draft position
+    (accepted / reached) from summed chain_counts."""
+    nb = len(lengths)
+    tok, blocks = float(counts[:nb, 0].sum()), float(counts[:nb, 1].sum())
+    agreed, reached = counts[nb, :gamma].tolist(), counts[nb + 1, :gamma].tolist()
+    by = []
+    for b, n in enumerate(lengths):
+        k = sum(1 for p in prompts if p.bucket == n)
+        if k:
+            t, s = float(counts[b, 0]), float(counts[b, 1])
+            by.append({"length": n, "prompts": k, "tau": round(t / s, 4) if s else 0.0})
+    return {"tau": round(tok / blocks, 4) if blocks else 0.0, "blocks": int(blocks),
+            "alpha": [round(a / r, 4) if r else 0.0 for a, r in zip(agreed, reached)], "by_length": by}
+
+
+# ----------------------------------------------------------------------------- the run folder's file
+
+def write(path: Path, digest: str, gamma: int, prompts: list, conts: dict[int, Continuation], seconds: float) -> None:
+    from longspec_cli.core.atomic import atomic_write_json
+
+    atomic_write_json(path, {
+        "version": VERSION, "digest": digest, "gamma": gamma, "seconds": round(seconds, 3),
+        "prompts": [{"record": p.record, "kind": p.kind, "bucket": p.bucket, "prompt_tokens": len(p.ids),
+                     "max_new": p.max_new, "end": conts[i].end, "tokens": conts[i].tokens}
+                    for i, p in enumerate(prompts)]})
+
+
+def read(path: Path, digest: str, prompts: list, gamma: int) -> dict[int, Continuation] | None:
+    """The continuations in ``path`` when they were made from the same digest and are long enough for
+    ``gamma``; None otherwise."""
+    from longspec_cli.core import runfolder
+
+    data, _ = runfolder.read_json(path)
+    if not data or data.get("digest") != digest or not isinstance(data.get("prompts"), list) \
+            or len(data["prompts"]) != len(prompts):
+        return None
+    out = {}
+    for i, (p, rec) in enumerate(zip(prompts, data["prompts"])):
+        toks = rec.get("tokens") if isinstance(rec, dict) else None
+        if not isinstance(toks, list) or len(toks) < p.max_new + gamma:
+            return None
+        out[i] = Continuation(toks, stop_end(toks, p.max_new, p.stops))
+    return out
