@@ -159,3 +159,44 @@ def test_the_walk_counts_blocks_as_chain_decoding_does():
     never = [[0] * 9] * 2
     assert walk(cont, 5, never, 2) == ([1, 1, 1, 1], [4, 0], [0, 0])
     assert walk(cont, 1, never, 2) == ([], [0, 0], [0, 0])          # the prefill's token was the last
+
+
+class _Prepared:
+    def __init__(self, lengths):
+        self.offsets, self.tokens = flat(lengths)
+
+
+def test_a_resume_from_before_the_best_step_drops_that_best_draft(tmp_path):
+    """best/ written at step 60, the process killed before checkpoint-60: the resume from
+    checkpoint-50 rolls step 60 back, so its best draft goes and the resumed draft is measured."""
+    import torch.distributed as dist
+
+    from longspec.checkpoint import save_draft
+    from longspec.outputs import RunWriter
+    from longspec_cli.core import runfolder
+    from longspec_cli.core.atomic import atomic_write_json, sha256_file
+
+    run = tmp_path / "run"
+    conf = {"eval_steps": 10, "eval_gamma": 4, "per_gpu_train_batch_size": 2, "eval_tokens": 300}
+    data = _Prepared([100] * 20)
+    fresh = simtau.SimTau(conf, data, RunWriter(run), 0, 1, resumed=False)
+    run.mkdir()
+    fresh.commit()                                    # heldout.json
+
+    def best_at(step: int) -> None:
+        w = save_draft({"w": torch.ones(2)}, run / runfolder.BEST_DIR)
+        atomic_write_json(run / runfolder.BEST_INFO, {"step": step, "tau": 2.5, "weights": str(w.relative_to(run)),
+                                                      "sha256": sha256_file(w)})
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        best_at(60)
+        resumed = simtau.SimTau(conf, data, RunWriter(run), 0, 1, resumed=True)
+        assert resumed.best_tau == 2.5
+        resumed.after_resume(60)                      # the checkpoint of the best step: kept
+        assert runfolder.RunDir(run).best()["step"] == 60 and not resumed.redo
+        resumed.after_resume(50)
+        assert runfolder.RunDir(run).best() is None and not (run / runfolder.BEST_DIR).exists()
+        assert resumed.best_tau == -float("inf") and resumed.redo
+    finally:
+        dist.destroy_process_group()
