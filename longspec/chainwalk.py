@@ -69,26 +69,55 @@ def stop_end(tokens: list[int], max_new: int, stops) -> int:
     return len(finish_tokens(tokens, max_new, stops)[0])
 
 
-def generate(model, prompts: list, gamma: int, device, rank: int = 0, world: int = 1) -> dict[int, list[int]]:
+GEN_BATCH = 16               # prompts decoded together (one forward per token for all of them)
+
+
+def generate(model, prompts: list, gamma: int, device, rank: int = 0, world: int = 1,
+             batch: int = GEN_BATCH) -> dict[int, list[int]]:
     """{prompt index: max_new + gamma greedy tokens} for this rank's share (round-robin) of
-    ``prompts``; ``model`` is the target's transformers model. Every rank makes the same number of
-    forwards (stand-in ones to make up a shorter share)."""
+    ``prompts``; ``model`` is the target's transformers model. Prompts of one length are decoded
+    together (no padding, so each row is the lone prompt's greedy decoding), at most ``batch`` at a
+    time. Every rank runs the same number of batches of the same number of forwards (stand-in
+    batches make up a smaller share)."""
     import torch
 
-    from longspec.spec_decode import greedy_decode
-
-    def share(r: int) -> list[int]:
-        return list(range(r, len(prompts), world))
-
-    forwards = [sum(prompts[i].max_new + gamma for i in share(r)) for r in range(world)]
-    out = {}
-    for i in share(rank):
-        ids = torch.tensor([prompts[i].ids], device=device)
-        out[i] = greedy_decode(model, ids, prompts[i].max_new + gamma, None).tokens
-    left = max(forwards) - forwards[rank]
-    if left > 0:                                   # a stand-in: one forward per token
-        greedy_decode(model, torch.tensor([prompts[0].ids[:1]], device=device), left, None)
+    n = max(p.max_new for p in prompts) + gamma
+    groups = [_groups([i for i in range(r, len(prompts), world)], prompts, batch) for r in range(world)]
+    out: dict[int, list[int]] = {}
+    for k in range(max(len(g) for g in groups)):
+        chunk = groups[rank][k] if k < len(groups[rank]) else [0]
+        ids = torch.tensor([prompts[i].ids for i in chunk], device=device)
+        toks = greedy_batch(model, ids, n)
+        if k < len(groups[rank]):
+            for i, t in zip(chunk, toks):
+                out[i] = t[:prompts[i].max_new + gamma]
     return out
+
+
+def _groups(share: list[int], prompts: list, batch: int) -> list[list[int]]:
+    by: dict[int, list[int]] = {}
+    for i in share:
+        by.setdefault(len(prompts[i].ids), []).append(i)
+    return [g[a:a + batch] for g in by.values() for a in range(0, len(g), batch)]
+
+
+def greedy_batch(model, ids, n: int) -> list[list[int]]:
+    """Greedy decoding of the prompts ``ids`` (B, P) (one length) for exactly n tokens (n forwards:
+    the prefill, then one token at a time with the KV cache), no stop."""
+    import torch
+
+    from longspec.spec_decode import _cache_kwarg, _keep_last_kwarg, new_cache
+
+    cache = new_cache()
+    kw = {_cache_kwarg(model): cache}
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=True, **kw, **_keep_last_kwarg(model)).logits[:, -1]
+        tok = logits.float().argmax(-1)                                     # (B,)
+        out = [tok]
+        for _ in range(n - 1):
+            tok = model(input_ids=tok[:, None], use_cache=True, **kw).logits[:, -1].float().argmax(-1)
+            out.append(tok)
+    return torch.stack(out, 1).tolist()
 
 
 def walk(cont: list[int], end: int, guess: list[list[int]], gamma: int) -> tuple[list[int], list[int], list[int]]:

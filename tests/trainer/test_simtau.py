@@ -99,7 +99,7 @@ def walk_prompts():
 
     g = torch.Generator().manual_seed(1)
     out = [Prompt(torch.randint(3, 90, (n,), generator=g).tolist(), f"r{i}", "document", max_new=m, stops=(30,))
-           for i, (n, m) in enumerate([(20, 24), (40, 24), (33, 16), (60, 24)])]
+           for i, (n, m) in enumerate([(20, 24), (40, 24), (33, 16), (40, 24)])]   # two of one length: one batch
     for p in out:
         p.bucket = 32 if len(p.ids) <= 32 else 64
     return out
@@ -133,7 +133,7 @@ def test_the_chain_walk_is_evals_greedy_chain_tau():
         tok, blocks = tok + sum(r.accepted), blocks + len(r.accepted)
         by[p.bucket][0] += sum(r.accepted)
         by[p.bucket][1] += len(r.accepted)
-    assert 1.3 < fig["tau"] < 4 and fig["blocks"] == blocks         # a draft that both accepts and misses
+    assert 1.1 < fig["tau"] < 4 and fig["blocks"] == blocks         # a draft that both accepts and misses
     assert fig["tau"] == round(tok / blocks, 4)
     assert [b["tau"] for b in fig["by_length"]] == [round(by[n][0] / by[n][1], 4) for n in (32, 64)]
     assert fig["alpha"][0] > 0
