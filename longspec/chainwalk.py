@@ -142,11 +142,10 @@ def walk(cont: list[int], end: int, guess: list[list[int]], gamma: int) -> tuple
 def draft_guesses(module, rows: list[tuple[list[int], int, int]], gamma: int, device) -> list[list[list[int]]]:
     """For rows [(prompt + continuation tokens, P, L)]: per row, per lag j = 1..gamma, the draft's
     greedy tokens at positions P .. P + L - 1 (a list of L ids; L = 0: a stand-in row). One padded
-    batch: the target forward, the draft's lags (longspec.simtau.draft_all_lags), the argmax over
+    batch: the target forward, the draft's lags (draft_all_lags), the argmax over
     the target's lm_head (gathered under ZeRO-3: every rank must call this as often)."""
     import torch
 
-    from longspec.simtau import draft_all_lags
     from longspec.zero import gathered
 
     target, draft = module.target, module.draft
@@ -173,6 +172,31 @@ def draft_guesses(module, rows: list[tuple[list[int], int, int]], gamma: int, de
         out.append([lag[a:a + n] for lag in per_lag])
         a += n
     return out
+
+
+def draft_all_lags(draft, hidden, target_k, target_v, rope, mask, gamma: int) -> list:
+    """GlideDraft.forward at cross-attention lags 1..gamma (a list of (B, T, H)), sharing what does not depend on the lag
+    (self-attention, the cross-attention queries); then per lag the cross-attention, its output
+    projection and the MLP. The same values as gamma calls of draft(...)
+    (tests/trainer/test_simtau.py holds them equal)."""
+    from longspec import kernels
+    from longspec.model import apply_rope
+
+    cos, sin = rope
+    x = draft.input_layernorm(hidden)
+    sa = draft.self_attn
+    q = apply_rope(sa.heads(sa.q_proj, x), cos, sin)
+    k = apply_rope(sa.heads(sa.k_proj, x), cos, sin)
+    y = kernels.attention(q, k, sa.heads(sa.v_proj, x), causal=True, window=draft.config.sliding_window,
+                          key_padding_mask=mask)
+    hidden = hidden + sa.out(y)
+    ca = draft.cross_attn
+    q = apply_rope(ca.heads(ca.q_proj, draft.post_self_attention_layernorm(hidden)), cos, sin)
+    outs = []
+    for lag in range(1, gamma + 1):          # one lag at a time: the MLP's activations of one forward
+        h = hidden + ca.out(kernels.attention(q, target_k, target_v, causal=True, lag=lag, key_padding_mask=mask))
+        outs.append(h + draft.mlp(draft.post_cross_attention_layernorm(h)))
+    return outs
 
 
 def _argmax(hidden, weight):
@@ -255,3 +279,19 @@ def read(path: Path, digest: str, prompts: list, gamma: int) -> dict[int, Contin
             return None
         out[i] = Continuation(toks, stop_end(toks, p.max_new, p.stops))
     return out
+
+
+def same_as_training(run_dir: Path, target: Path, prompts: list, rows: list[dict]) -> dict | None:
+    """The trainer's continuations of these prompts (longspec.chainwalk; what its tau walked): None
+    when the run has none; else whether they were made from these prompts, this target and these
+    limits (`same_digest`), and on how many prompts this measurement's greedy output equals them."""
+    from longspec_cli.core import runfolder
+
+    path = run_dir / runfolder.CONTINUATIONS
+    if not path.is_file():
+        return None
+    conts = read(path, continuation_digest(target, prompts), prompts, 0)
+    if conts is None:
+        return {"file": path.name, "same_digest": False}
+    same = sum(1 for i, r in enumerate(rows) if r["_raw"]["tokens"] == conts[i].tokens[:conts[i].end])
+    return {"file": path.name, "same_digest": True, "prompts": len(rows), "same_greedy_output": same}

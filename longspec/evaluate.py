@@ -364,6 +364,8 @@ def evaluate(args: argparse.Namespace, log=None) -> dict:
         "by_length": evalreport.by_length(rows, lengths, methods),
     }
     if args.bench is None and args.prompts is None and args.data is None:      # the stage's own prompts
+        from longspec.chainwalk import same_as_training
+
         result["continuations"] = same_as_training(run_dir, target, prompts, rows)
     if args.bench is not None:
         result["by_task"] = evalreport.by_task(rows, lengths, methods)
@@ -382,23 +384,6 @@ def evaluate(args: argparse.Namespace, log=None) -> dict:
         result["eval_json"] = str(run_dir / name)
         atomic_write_json(run_dir / name, result)
     return result
-
-
-def same_as_training(run_dir: Path, target: Path, prompts: list, rows: list[dict]) -> dict | None:
-    """The trainer's continuations of these prompts (longspec.chainwalk; what its tau walked): None
-    when the run has none; else whether they were made from these prompts, this target and these
-    limits (`same_digest`), and on how many prompts this measurement's greedy output equals them."""
-    from longspec import chainwalk
-    from longspec_cli.core import runfolder
-
-    path = run_dir / runfolder.CONTINUATIONS
-    if not path.is_file():
-        return None
-    conts = chainwalk.read(path, chainwalk.continuation_digest(target, prompts), prompts, 0)
-    if conts is None:
-        return {"file": path.name, "same_digest": False}
-    same = sum(1 for i, r in enumerate(rows) if r["_raw"]["tokens"] == conts[i].tokens[:conts[i].end])
-    return {"file": path.name, "same_digest": True, "prompts": len(rows), "same_greedy_output": same}
 
 
 def _path(value: Any) -> Path | None:

@@ -98,31 +98,6 @@ class TrainPart:
         return getattr(self.dataset, name)
 
 
-def draft_all_lags(draft, hidden, target_k, target_v, rope, mask, gamma: int) -> list:
-    """GlideDraft.forward at cross-attention lags 1..gamma (a list of (B, T, H)), sharing what does not depend on the lag
-    (self-attention, the cross-attention queries); then per lag the cross-attention, its output
-    projection and the MLP. The same values as gamma calls of draft(...)
-    (tests/trainer/test_simtau.py holds them equal)."""
-    from longspec import kernels
-    from longspec.model import apply_rope
-
-    cos, sin = rope
-    x = draft.input_layernorm(hidden)
-    sa = draft.self_attn
-    q = apply_rope(sa.heads(sa.q_proj, x), cos, sin)
-    k = apply_rope(sa.heads(sa.k_proj, x), cos, sin)
-    y = kernels.attention(q, k, sa.heads(sa.v_proj, x), causal=True, window=draft.config.sliding_window,
-                          key_padding_mask=mask)
-    hidden = hidden + sa.out(y)
-    ca = draft.cross_attn
-    q = apply_rope(ca.heads(ca.q_proj, draft.post_self_attention_layernorm(hidden)), cos, sin)
-    outs = []
-    for lag in range(1, gamma + 1):          # one lag at a time: the MLP's activations of one forward
-        h = hidden + ca.out(kernels.attention(q, target_k, target_v, causal=True, lag=lag, key_padding_mask=mask))
-        outs.append(h + draft.mlp(draft.post_cross_attention_layernorm(h)))
-    return outs
-
-
 class SimTau:
     """One rank's tau evaluation while training and best-draft keeping (`longspec.train` calls it)."""
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from longspec import simtau
+from longspec import chainwalk, simtau
 from longspec.data import make_loader
 from tests.trainer.conftest import make_tiny_target
 
@@ -78,7 +78,7 @@ def test_the_shared_lag_forward_equals_one_draft_call_per_lag():
         tgt = model.target(ids, pos, attention_mask=mask)
         hidden = model.target.embed(ids)
         rope = model.target.rotary(pos, hidden)
-        shared = simtau.draft_all_lags(model.draft, hidden, tgt.k, tgt.v, rope, mask, 3)
+        shared = chainwalk.draft_all_lags(model.draft, hidden, tgt.k, tgt.v, rope, mask, 3)
         for k, h in enumerate(shared, 1):
             one = model.draft(hidden, pos, tgt.k, tgt.v, cross_lag=k, rope=rope, attention_mask=mask)
             torch.testing.assert_close(h, one, rtol=1e-5, atol=1e-5)
