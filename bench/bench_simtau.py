@@ -56,7 +56,7 @@ def eval_draft(run: Path, draft: Path) -> dict:
     proc = subprocess.run([sys.executable, "-m", "longspec.evaluate", str(run), "--draft", str(draft),
                            "--no-write", "--json"], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-    if proc.returncode not in (0, 1):
+    if proc.returncode not in (0, 1) or not proc.stdout.strip():
         sys.exit(f"eval failed: {proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

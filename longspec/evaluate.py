@@ -266,7 +266,7 @@ def pick_prompts(args, conf: dict, complete: dict | None, tok, max_seq: int, lim
     trained_on = _path(_get(conf, "train_file"))
     same_data = trained_on is not None and Path(data).resolve() == trained_on.resolve()
     # a draft of this run (its final one, a checkpoint, best/) was trained on the records the run drew
-    ours = args.draft is None or run_dir.resolve() in Path(args.draft).resolve().parents
+    ours = args.draft is None or Path(args.run_dir).resolve() in Path(args.draft).resolve().parents
     steps = (complete or {}).get("steps") if ours and same_data else None
     prompts, info, lengths = P.default_prompts(Path(data), tok, conf, steps, lengths=args.lengths,
                                                num_prompts=args.num_prompts, max_new=args.max_new_tokens)
