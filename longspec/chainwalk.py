@@ -69,53 +69,60 @@ def stop_end(tokens: list[int], max_new: int, stops) -> int:
     return len(finish_tokens(tokens, max_new, stops)[0])
 
 
-GEN_BATCH = 16               # prompts decoded together (one forward per token for all of them)
+GEN_BATCH = 64               # prompts decoded together, left-padded (one forward per token for all of them)
 
 
 def generate(model, prompts: list, gamma: int, device, rank: int = 0, world: int = 1,
              batch: int = GEN_BATCH) -> dict[int, list[int]]:
     """{prompt index: max_new + gamma greedy tokens} for this rank's share (round-robin) of
-    ``prompts``; ``model`` is the target's transformers model. Prompts of one length are decoded
-    together (no padding, so each row is the lone prompt's greedy decoding), at most ``batch`` at a
-    time. Every rank runs the same number of batches of the same number of forwards (stand-in
-    batches make up a smaller share)."""
-    import torch
-
+    ``prompts``; ``model`` is the target's transformers model. The share is decoded in left-padded
+    batches of at most ``batch`` prompts (greedy_batch), so a continuation costs max_new + gamma
+    forwards per batch whatever the prompts' lengths. Every rank runs the same number of batches of
+    the same number of forwards (a stand-in batch makes up a smaller share)."""
     n = max(p.max_new for p in prompts) + gamma
-    groups = [_groups([i for i in range(r, len(prompts), world)], prompts, batch) for r in range(world)]
+    per_rank = math.ceil(len(prompts) / world)
+    mine = list(range(rank, len(prompts), world))
     out: dict[int, list[int]] = {}
-    for k in range(max(len(g) for g in groups)):
-        chunk = groups[rank][k] if k < len(groups[rank]) else [0]
-        ids = torch.tensor([prompts[i].ids for i in chunk], device=device)
-        toks = greedy_batch(model, ids, n)
-        if k < len(groups[rank]):
-            for i, t in zip(chunk, toks):
-                out[i] = t[:prompts[i].max_new + gamma]
+    for a in range(0, per_rank, batch):
+        chunk = mine[a:a + batch]
+        toks = greedy_batch(model, [prompts[i].ids for i in chunk or [0]], n, device)
+        for i, t in zip(chunk, toks):
+            out[i] = t[:prompts[i].max_new + gamma]
     return out
 
 
-def _groups(share: list[int], prompts: list, batch: int) -> list[list[int]]:
-    by: dict[int, list[int]] = {}
-    for i in share:
-        by.setdefault(len(prompts[i].ids), []).append(i)
-    return [g[a:a + batch] for g in by.values() for a in range(0, len(g), batch)]
-
-
-def greedy_batch(model, ids, n: int) -> list[list[int]]:
-    """Greedy decoding of the prompts ``ids`` (B, P) (one length) for exactly n tokens (n forwards:
-    the prefill, then one token at a time with the KV cache), no stop."""
+def greedy_batch(model, ids: list[list[int]], n: int, device) -> list[list[int]]:
+    """Greedy decoding of the prompts ``ids`` for exactly n tokens each, no stop: one left-padded
+    batch (the attention mask hides the padding, position ids count from each prompt's first
+    token, as transformers' generate does), n forwards: the prefill, then one token at a time with
+    the KV cache. Each row is its prompt's own greedy decoding up to floating point (in fp32 the
+    same tokens: eval.json's `continuations` reports how many prompts match eval's unpadded
+    decoding)."""
     import torch
 
     from longspec.spec_decode import _cache_kwarg, _keep_last_kwarg, new_cache
 
+    B, T = len(ids), max(len(r) for r in ids)
+    inp = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.ones(B, T + n, dtype=torch.long)
+    for b, r in enumerate(ids):
+        inp[b, T - len(r):] = torch.tensor(r)
+        mask[b, :T - len(r)] = 0
+    inp, mask = inp.to(device), mask.to(device)
+    pos = (mask[:, :T].cumsum(-1) - 1).clamp(min=0)
+    padded = bool((mask[:, :T] == 0).any())
     cache = new_cache()
     kw = {_cache_kwarg(model): cache}
+    out = []
     with torch.no_grad():
-        logits = model(input_ids=ids, use_cache=True, **kw, **_keep_last_kwarg(model)).logits[:, -1]
+        logits = model(input_ids=inp, attention_mask=mask[:, :T] if padded else None, position_ids=pos,
+                       use_cache=True, **kw, **_keep_last_kwarg(model)).logits[:, -1]
         tok = logits.float().argmax(-1)                                     # (B,)
-        out = [tok]
-        for _ in range(n - 1):
-            tok = model(input_ids=tok[:, None], use_cache=True, **kw).logits[:, -1].float().argmax(-1)
+        out.append(tok)
+        for k in range(1, n):
+            pos = pos[:, -1:] + 1
+            tok = model(input_ids=tok[:, None], attention_mask=mask[:, :T + k] if padded else None,
+                        position_ids=pos, use_cache=True, **kw).logits[:, -1].float().argmax(-1)
             out.append(tok)
     return torch.stack(out, 1).tolist()
 
