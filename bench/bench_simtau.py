@@ -143,9 +143,16 @@ def estimate(a) -> None:
     flops = 2 * a.params                                          # per token, forward
     gather_s = 2 * a.params / (a.gather_gbs * 1e9)                # bf16 weights gathered once per forward
     compute = a.gpus * a.tflops * 1e12
-    # continuations: each rank decodes its share, batches of up to 16 prompts of one length
-    batches = sum(math.ceil(math.ceil(k / a.gpus) / 16) for k in per.values())
-    cont_s = batches * new * gather_s + (prompt_tokens + prompts * new) * flops / compute
+    # continuations: each rank decodes its share (round-robin) in left-padded batches (chainwalk.decode_batches)
+    from types import SimpleNamespace
+
+    from longspec.chainwalk import GEN_BATCH, GEN_TOKENS, decode_batches
+
+    fake = [SimpleNamespace(ids=range(n)) for n, k in per.items() for _ in range(k)]
+    plans = [decode_batches(list(range(r, prompts, a.gpus)), fake, new, GEN_BATCH, GEN_TOKENS) for r in range(a.gpus)]
+    batches = max(len(p) for p in plans)
+    padded = max(sum(len(b) * len(fake[b[0]].ids) for b in p) for p in plans) * a.gpus   # prefill positions
+    cont_s = batches * new * gather_s + (padded + prompts * new) * flops / compute
     # one evaluation: teacher-forced forward over prompt + continuation, micro-batches of one row
     ev_tokens = prompt_tokens + prompts * new
     ev_s = ev_tokens * flops / compute + math.ceil(prompts / a.gpus) * gather_s

@@ -6,7 +6,7 @@ Prompts: `eval`'s default measurement of the stage (longspec.prompts.default_pro
 run's step count: the same records, cuts, length buckets, new-token limits and stop tokens).
 
 Continuations, once per run: the frozen target decodes each prompt greedily for max_new + gamma
-tokens, without stopping (every rank runs the same number of forwards, which ZeRO-3's parameter
+tokens, without stopping, a rank's share of the prompts in one left-padded batch (every rank runs the same number of forwards, which ZeRO-3's parameter
 gathering needs; the tokens after a stop are what the target's verify forward sees beyond it).
 `end` = where decoding stops: after the first stop token, or at max_new. They are kept in the run
 folder (continuations.json) with a digest of what made them (continuation_digest: the target's
@@ -70,24 +70,39 @@ def stop_end(tokens: list[int], max_new: int, stops) -> int:
 
 
 GEN_BATCH = 64               # prompts decoded together, left-padded (one forward per token for all of them)
+GEN_TOKENS = 131072          # at most this many positions (rows x (longest prompt + tokens)) in one decode batch
 
 
 def generate(model, prompts: list, gamma: int, device, rank: int = 0, world: int = 1,
-             batch: int = GEN_BATCH) -> dict[int, list[int]]:
+             batch: int = GEN_BATCH, tokens: int = GEN_TOKENS) -> dict[int, list[int]]:
     """{prompt index: max_new + gamma greedy tokens} for this rank's share (round-robin) of
     ``prompts``; ``model`` is the target's transformers model. The share is decoded in left-padded
-    batches of at most ``batch`` prompts (greedy_batch), so a continuation costs max_new + gamma
-    forwards per batch whatever the prompts' lengths. Every rank runs the same number of batches of
-    the same number of forwards (a stand-in batch makes up a smaller share)."""
+    batches (greedy_batch; longest prompts first, at most ``batch`` rows and ``tokens`` positions),
+    so a continuation costs max_new + gamma forwards per batch whatever the prompts' lengths: one
+    batch per rank up to 32k-token prompts of a few prompts per rank. Every rank runs the same
+    number of batches of the same number of forwards (stand-in batches make up a smaller share)."""
     n = max(p.max_new for p in prompts) + gamma
-    per_rank = math.ceil(len(prompts) / world)
-    mine = list(range(rank, len(prompts), world))
+    plans = [decode_batches([i for i in range(r, len(prompts), world)], prompts, n, batch, tokens)
+             for r in range(world)]
     out: dict[int, list[int]] = {}
-    for a in range(0, per_rank, batch):
-        chunk = mine[a:a + batch]
+    for k in range(max(len(p) for p in plans)):
+        chunk = plans[rank][k] if k < len(plans[rank]) else []
         toks = greedy_batch(model, [prompts[i].ids for i in chunk or [0]], n, device)
         for i, t in zip(chunk, toks):
             out[i] = t[:prompts[i].max_new + gamma]
+    return out
+
+
+def decode_batches(share: list[int], prompts: list, n: int, batch: int, tokens: int) -> list[list[int]]:
+    """``share`` cut into decode batches: longest prompts first, each batch at most ``batch`` rows and
+    ``tokens`` positions (rows x (its longest prompt + n); a longer prompt alone)."""
+    order = sorted(share, key=lambda i: -len(prompts[i].ids))
+    out: list[list[int]] = []
+    for i in order:
+        if out and len(out[-1]) < batch and (len(out[-1]) + 1) * (len(prompts[out[-1][0]].ids) + n) <= tokens:
+            out[-1].append(i)
+        else:
+            out.append([i])
     return out
 
 
@@ -146,11 +161,15 @@ def walk(cont: list[int], end: int, guess: list[list[int]], gamma: int) -> tuple
     return accepted, reached, agreed
 
 
-def draft_guesses(module, rows: list[tuple[list[int], int, int]], gamma: int, device) -> list[list[list[int]]]:
+def draft_guesses(module, rows: list[tuple[list[int], int, int]], gamma: int, device,
+                  frozen: tuple | None = None) -> tuple[list[list[list[int]]], tuple]:
     """For rows [(prompt + continuation tokens, P, L)]: per row, per lag j = 1..gamma, the draft's
-    greedy tokens at positions P .. P + L - 1 (a list of L ids; L = 0: a stand-in row). One padded
-    batch: the target forward, the draft's lags (draft_all_lags), the argmax over
-    the target's lm_head (gathered under ZeRO-3: every rank must call this as often)."""
+    greedy tokens at positions P .. P + L - 1 (a list of L ids; L = 0: a stand-in row); and what
+    the frozen target gave for these rows (its last-layer K/V, the embeddings), which ``frozen``
+    hands back on the next call with the same rows instead of running the target again. One
+    padded batch: the target forward, the draft's lags from the first selected position
+    (draft_all_lags), the argmax over the target's lm_head (gathered under ZeRO-3: every rank
+    must call this as often, and pass ``frozen`` alike)."""
     import torch
 
     from longspec.zero import gathered
@@ -165,43 +184,56 @@ def draft_guesses(module, rows: list[tuple[list[int], int, int]], gamma: int, de
         ids[b, :len(toks)] = torch.tensor(toks)
         real[b, :len(toks)] = True
         sel[b, p:p + n] = True
-    ids, real, sel = ids.to(device), real.to(device), sel.to(device)
+    start = min((p for _, p, n in rows if n), default=0)
+    ids, real, sel = ids.to(device), real.to(device), sel[:, start:].to(device)
     with torch.no_grad():
         mask = real.long() if bool((~real).any()) else None
         pos = torch.arange(T, device=device).unsqueeze(0).expand(B, T)
-        tgt = target(ids, pos, attention_mask=mask)
-        hidden = target.embed(ids).to(dtype)
-        outs = draft_all_lags(draft, hidden, tgt.k, tgt.v, target.rotary(pos, hidden), mask, gamma)
+        if frozen is None:
+            tgt = target(ids, pos, attention_mask=mask)
+            frozen = (tgt.k, tgt.v, target.embed(ids).to(dtype))
+        k, v, hidden = frozen
+        outs = draft_all_lags(draft, hidden, k, v, target.rotary(pos, hidden), mask, gamma, start)
         with gathered(target.lm_head.weight) as w:
             per_lag = [_argmax(h[sel], w).tolist() if bool(sel.any()) else [] for h in outs]
     out, a = [], 0
     for _, _, n in rows:
         out.append([lag[a:a + n] for lag in per_lag])
         a += n
-    return out
+    return out, frozen
 
 
-def draft_all_lags(draft, hidden, target_k, target_v, rope, mask, gamma: int) -> list:
-    """GlideDraft.forward at cross-attention lags 1..gamma (a list of (B, T, H)), sharing what does not depend on the lag
-    (self-attention, the cross-attention queries); then per lag the cross-attention, its output
-    projection and the MLP. The same values as gamma calls of draft(...)
-    (tests/trainer/test_simtau.py holds them equal)."""
+def draft_all_lags(draft, hidden, target_k, target_v, rope, mask, gamma: int, start: int = 0) -> list:
+    """GlideDraft.forward at cross-attention lags 1..gamma (a list of (B, T - start, H): the
+    positions start .. T - 1), sharing what does not depend on the lag (self-attention, the
+    cross-attention queries); then per lag the cross-attention, its output projection and the MLP.
+    The same values as gamma calls of draft(...) (tests/trainer/test_simtau.py holds them equal);
+    with ``start``, the positions before it are only keys of the self-attention."""
     from longspec import kernels
     from longspec.model import apply_rope
 
     cos, sin = rope
     x = draft.input_layernorm(hidden)
     sa = draft.self_attn
-    q = apply_rope(sa.heads(sa.q_proj, x), cos, sin)
     k = apply_rope(sa.heads(sa.k_proj, x), cos, sin)
-    y = kernels.attention(q, k, sa.heads(sa.v_proj, x), causal=True, window=draft.config.sliding_window,
-                          key_padding_mask=mask)
+    v = sa.heads(sa.v_proj, x)
+    cos, sin, x, hidden = cos[:, start:], sin[:, start:], x[:, start:], hidden[:, start:]
+    q = apply_rope(sa.heads(sa.q_proj, x), cos, sin)
+    W = draft.config.sliding_window
+    if start:
+        y = kernels.attention_rows(q, k, v, start, window=W, key_padding_mask=mask)
+    else:
+        y = kernels.attention(q, k, v, causal=True, window=W, key_padding_mask=mask)
     hidden = hidden + sa.out(y)
     ca = draft.cross_attn
     q = apply_rope(ca.heads(ca.q_proj, draft.post_self_attention_layernorm(hidden)), cos, sin)
     outs = []
     for lag in range(1, gamma + 1):          # one lag at a time: the MLP's activations of one forward
-        h = hidden + ca.out(kernels.attention(q, target_k, target_v, causal=True, lag=lag, key_padding_mask=mask))
+        if start:
+            y = kernels.attention_rows(q, target_k, target_v, start, lag=lag, key_padding_mask=mask)
+        else:
+            y = kernels.attention(q, target_k, target_v, causal=True, lag=lag, key_padding_mask=mask)
+        h = hidden + ca.out(y)
         outs.append(h + draft.mlp(draft.post_cross_attention_layernorm(h)))
     return outs
 
@@ -214,24 +246,46 @@ def _argmax(hidden, weight):
     return torch.cat(rows)
 
 
+FROZEN_BYTES = 512 << 20     # the target's K/V and embeddings of the held-out rows are kept up to this, per rank
+
+
 def chain_counts(module, prompts: list, conts: dict[int, Continuation], lengths: list[int], gamma: int,
-                 device, rank: int = 0, world: int = 1, batch: int = 1) -> Any:
-    """float64 (len(lengths) + 2, max(2, gamma)) of this rank's share of ``prompts`` (round-robin):
-    rows 0..len(lengths)-1 = [tokens, blocks] per length bucket; then the proposals accepted and
-    reached per draft position. Every rank runs the same number of batches (stand-ins count nothing)."""
+                 device, rank: int = 0, world: int = 1, batch: int = 1, memo: dict | None = None) -> Any:
+    """float64 (len(lengths) + 2, max(2, gamma)) of this rank's share of ``prompts`` (round-robin,
+    longest first, ``batch`` rows at a time): rows 0..len(lengths)-1 = [tokens, blocks] per length
+    bucket; then the proposals accepted and reached per draft position. Every rank runs the same
+    number of batches (stand-ins count nothing). ``memo`` (a dict the caller keeps between
+    evaluations): the frozen target's outputs of each batch, kept when every rank's share fits in
+    FROZEN_BYTES, so later evaluations run the draft alone (the same values: the same rows)."""
     import torch
 
     nb = len(lengths)
     counts = torch.zeros(nb + 2, max(2, gamma), dtype=torch.float64)
-    mine = list(range(rank, len(prompts), world))
     per_rank = math.ceil(len(prompts) / world)
-    for a in range(0, per_rank, batch):
-        chunk = mine[a:a + batch]
+
+    def share(r: int) -> list[int]:
+        return sorted(range(r, len(prompts), world), key=lambda i: -len(prompts[i].ids))
+
+    def rows_of(chunk: list[int]) -> list:
         rows = []
         for i in chunk or [0]:                     # a stand-in batch: prompt 0, nothing counted
             n = conts[i].end + gamma - 1 if chunk else 0
             rows.append((prompts[i].ids + conts[i].tokens[:n], len(prompts[i].ids), n))
-        guesses = draft_guesses(module, rows, gamma, device)
+        return rows
+
+    mine = share(rank)
+    for a in range(0, per_rank, batch):
+        chunk = mine[a:a + batch]
+        frozen = memo.get(a) if memo is not None else None
+        guesses, frozen = draft_guesses(module, rows_of(chunk), gamma, device, frozen)
+        if memo is not None and a not in memo and memo.get("keep", True):
+            if "keep" not in memo:                 # the same decision on every rank: the largest share
+                per_pos = sum(t.nelement() * t.element_size() for t in frozen) / (frozen[0].shape[0] * frozen[0].shape[2])
+                most = max(sum(len(rows_of(s[b:b + batch])) * max(len(r[0]) for r in rows_of(s[b:b + batch]))
+                               for b in range(0, per_rank, batch)) for s in map(share, range(world)))
+                memo["keep"] = most * per_pos <= FROZEN_BYTES
+            if memo["keep"]:
+                memo[a] = frozen
         for i, g in zip(chunk, guesses):
             acc, reached, agreed = walk(conts[i].tokens, conts[i].end, g, gamma)
             b = lengths.index(prompts[i].bucket)

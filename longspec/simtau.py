@@ -122,6 +122,7 @@ class SimTau:
         self.prompts: list | None = None             # eval's default prompts, once the first evaluation is due
         self.lengths: list[int] = []
         self.conts: dict = {}
+        self.frozen: dict = {}                       # the target's outputs of the held-out rows (chainwalk.chain_counts)
         self.continuations_s: float | None = None    # generating them, in this process (None: reused or not yet)
         self.redo = False                            # a dropped best: measure the resumed draft at once
 
@@ -219,7 +220,7 @@ class SimTau:
                 return False
         t1 = time.time()
         counts = chainwalk.chain_counts(session.engine.module, self.prompts, self.conts, self.lengths, self.gamma,
-                                        session.engine.device, self.rank, self.world, self.batch)
+                                        session.engine.device, self.rank, self.world, self.batch, self.frozen)
         import torch
 
         torch.distributed.all_reduce(counts)

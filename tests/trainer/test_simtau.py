@@ -82,6 +82,10 @@ def test_the_shared_lag_forward_equals_one_draft_call_per_lag():
         for k, h in enumerate(shared, 1):
             one = model.draft(hidden, pos, tgt.k, tgt.v, cross_lag=k, rope=rope, attention_mask=mask)
             torch.testing.assert_close(h, one, rtol=1e-5, atol=1e-5)
+        # from a later position (the earlier ones only keys, the window reaching before it): the same rows
+        tail = chainwalk.draft_all_lags(model.draft, hidden, tgt.k, tgt.v, rope, mask, 3, start=9)
+        for h, t in zip(shared, tail):
+            torch.testing.assert_close(t, h[:, 9:], rtol=1e-5, atol=1e-5)
 
 
 def walk_draft():
@@ -146,8 +150,20 @@ def test_the_chain_walk_is_evals_greedy_chain_tau():
                 setattr(p, k, v)
         assert chain_walk_tau(model, other)[0]["tau"] != fig["tau"], change
     assert chain_walk_tau(model, walk_prompts()[:3])[0]["tau"] != fig["tau"]
-    # batching and stand-in rows change nothing
+    # batching and stand-in rows change nothing: nor does decoding one prompt per batch, unpadded
     assert chain_walk_tau(model, prompts, batch=3)[0] == fig
+    # the target's outputs kept between evaluations: a changed draft counts as without them
+    cpu, memo = torch.device("cpu"), {}
+    chainwalk.chain_counts(model, prompts, conts, [32, 64], 4, cpu, batch=2, memo=memo)
+    assert memo["keep"] and sorted(k for k in memo if k != "keep") == [0, 2]
+    with torch.no_grad():
+        model.draft.mlp.down_proj.weight.mul_(2.0)
+    fresh = chainwalk.chain_counts(model, prompts, conts, [32, 64], 4, cpu, batch=2)
+    assert torch.equal(chainwalk.chain_counts(model, prompts, conts, [32, 64], 4, cpu, batch=2, memo=memo), fresh)
+    assert not torch.equal(fresh, chainwalk.chain_counts(walk_draft(), prompts, conts, [32, 64], 4, cpu, batch=2))
+    alone = chainwalk.generate(model.target.model, prompts, 4, torch.device("cpu"), tokens=1)
+    assert [alone[i] for i in range(4)] == [conts[i].tokens for i in range(4)]
+    assert chainwalk.decode_batches([0, 1, 2, 3], prompts, 28, 64, 3 * (40 + 28)) == [[1, 3, 2], [0]]
 
 
 def test_the_walk_counts_blocks_as_chain_decoding_does():
