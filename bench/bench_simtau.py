@@ -159,15 +159,24 @@ def estimate(a) -> None:
     # a training step: the frozen target's forward over the global batch (the draft is small)
     step_s = a.gpus * a.seq * flops / compute + gather_s
     evals = a.steps // a.eval_steps + 2
+    from longspec.chainwalk import FROZEN_BYTES
+
+    kept = (prompt_tokens + prompts * new) / a.gpus * (2 * a.kv + a.hidden) * 2        # bf16 K/V + embeddings
+    later_s = ev_s
+    if kept <= FROZEN_BYTES:     # later evaluations: the draft's gamma lags (about one target layer each) alone
+        later_s = ev_tokens * a.gamma * flops / a.layers / compute + math.ceil(prompts / a.gpus) * gather_s / a.layers
+    ev_all = ev_s + (evals - 1) * later_s
     total = a.steps * step_s
     print(f"estimate, a {a.seq // 1024}k stage of a {a.params / 1e9:.1f}B target on {a.gpus} GPUs (ZeRO-3, "
           f"{a.tflops:.0f} TFLOP/s each, weights gathered at {a.gather_gbs:.0f} GB/s): {prompts} prompts "
           f"({', '.join(f'{n // 1024}k: {k}' for n, k in per.items())}), {new} tokens each")
     print(f"  continuations once: {cont_s / 60:.1f} min ({batches} decode batches per rank x {new} forwards x "
-          f"{gather_s:.2f} s gathering); each evaluation: {ev_s:.1f} s ({ev_tokens / 1e3:.0f}k tokens forward)")
+          f"{gather_s:.2f} s gathering); first evaluation: {ev_s:.1f} s ({ev_tokens / 1e3:.0f}k tokens forward)")
+    print(f"  the target's outputs of a rank's share: {kept / 2**30:.2f} GiB (kept between evaluations up to "
+          f"{FROZEN_BYTES / 2**30:.1f} GiB): later evaluations {later_s:.1f} s each")
     print(f"  a training step ~{step_s:.1f} s; {a.steps} steps with eval_steps={a.eval_steps}: {evals} evaluations "
-          f"{evals * ev_s / 60:.1f} min + continuations {cont_s / 60:.1f} min of ~{total / 3600:.1f} h: "
-          f"{(evals * ev_s + cont_s) / total:.1%}")
+          f"{ev_all / 60:.1f} min + continuations {cont_s / 60:.1f} min of ~{total / 3600:.1f} h: "
+          f"{(ev_all + cont_s) / total:.1%}")
 
 
 def main() -> None:
@@ -182,6 +191,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--eval-steps", type=int, default=100)
     ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=5120, help="the target's hidden size")
+    ap.add_argument("--kv", type=int, default=1024, help="the target's key/value heads x head size")
+    ap.add_argument("--layers", type=int, default=64, help="the target's layers (the draft is about one)")
     a = ap.parse_args()
     d = a.dir or Path(tempfile.mkdtemp(prefix="ls-simtau-")) / "demo"
     if not a.reuse:

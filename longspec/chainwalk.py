@@ -246,7 +246,7 @@ def _argmax(hidden, weight):
     return torch.cat(rows)
 
 
-FROZEN_BYTES = 512 << 20     # the target's K/V and embeddings of the held-out rows are kept up to this, per rank
+FROZEN_BYTES = 1 << 30       # the target's K/V and embeddings of the held-out rows are kept up to this, per rank
 
 
 def chain_counts(module, prompts: list, conts: dict[int, Continuation], lengths: list[int], gamma: int,
