@@ -1,25 +1,29 @@
-"""Simulated tau while training: agreement with `eval`'s chain tau, checkpoint ranking, and cost.
+"""Tau while training against `eval`'s chain tau on the demo, checkpoint ranking, and the cost.
 
-    .venv/bin/python bench/bench_simtau.py [--dir DIR] [--skip-cost] [--together] [--gamma 4]
+    .venv/bin/python bench/bench_simtau.py [--dir DIR] [--reuse] [--gpus 8 --params 32.8e9 ...]
 
-1. Agreement. Runs the tiny demo pipeline (`longspec demo --no-eval`, default settings: every
-   stage records simulated tau at step 0, every eval_steps and at the end). For each stage, the
-   held-out records (heldout.json: records [start, start + records) of the stage's train_file,
-   which the trainer never drew) are written as a prompts file, and `python -m longspec.evaluate`
-   decodes them (greedy chain, --gamma) with each draft the stage has on disk at a step that has
-   a simulated-tau record: the input draft (step 0, the upstream's final draft; stage 1 starts
-   fresh and keeps none), the kept checkpoints and the final draft. Printed: simulated tau /
-   eval tau per draft (ratio), and whether the two rank the drafts of a stage in the same order.
-2. Cost. The same pipeline again with eval_steps=0 (no evaluation, no best/); per stage the
-   trainer's own wall time (the `end` event's elapsed_s) with and without, their ratio, and the
-   evaluation's share measured inside the run (sum of the records' eval_s over the rest). The
-   machine's load moves the first ratio; the second does not depend on a second run.
+1. Agreement. Runs the demo (`longspec demo DIR -q`: every stage records its tau at step 0,
+   every eval_steps and at the end, and `eval` measures each final draft with the input draft on
+   the same prompts into eval.json); --reuse takes a finished DIR as it is. Per stage: the tau at
+   the last step against eval.json's chain tau (ratio; goal within 2 %), by length bucket. Then
+   every draft of the stage that has a tau record: the input draft (eval.json's `baseline`, step 0;
+   stage 1 starts fresh and keeps none), the kept checkpoints, best/ and the final draft, each
+   measured by `python -m longspec.evaluate RUN --draft PATH` on the stage's default prompts
+   (checked: the same records as eval.json's), and whether both figures rank them alike.
+2. Cost: per stage, the seconds in tau evaluations and in making the continuations (metrics.jsonl
+   `eval_s`, `continuations_s`) over the trainer's wall time (the `end` event).
+3. An estimate for a 32k stage of a 32B target on 8 GPUs under ZeRO-3 (flags set the assumptions):
+   eval's default prompts at 32k (6 buckets x 8 prompts, each cut at its bucket length, 1,024 new
+   tokens), the continuations once (decoding is bound by ZeRO-3 gathering the target's weights
+   each forward: one forward decodes a batch of up to 16 prompts of one length), then each
+   evaluation (a teacher-forced target forward over prompt + continuation, compute-bound).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -32,25 +36,14 @@ sys.path.insert(0, str(ROOT))
 STAGES = ("base", "long", "longcot")
 
 
-def start(d: Path, *overrides: str) -> subprocess.Popen:
-    """`longspec init --preset tiny` then `longspec run --all` (started, not waited for)."""
+def demo(d: Path) -> None:
     if d.exists():
         shutil.rmtree(d)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
-    subprocess.run([sys.executable, "-m", "longspec_cli", "init", str(d), "--preset", "tiny", "--no-input"],
-                   check=True, cwd=ROOT, env=env, capture_output=True)
-    return subprocess.Popen([sys.executable, "-m", "longspec_cli", "run", str(d), "--all", *overrides],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def wait(proc: subprocess.Popen) -> None:
-    out, _ = proc.communicate()
+    proc = subprocess.run([sys.executable, "-m", "longspec_cli", "demo", str(d), "-q"], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
     if proc.returncode != 0:
-        sys.exit(f"run failed ({proc.returncode}):\n{out[-3000:]}")
-
-
-def demo(d: Path, *overrides: str) -> None:
-    wait(start(d, *overrides))
+        sys.exit(f"demo failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
 
 
 def records(run: Path) -> dict[int, dict]:
@@ -59,117 +52,155 @@ def records(run: Path) -> dict[int, dict]:
     return {r["step"]: r for r in runfolder.read_metrics(run / runfolder.METRICS).simtau}
 
 
-def heldout_prompts(run: Path, out: Path) -> int:
-    """The held-out records of the stage, as a --prompts file (training records: rendered and cut as the trainer does)."""
-    import yaml
-
-    from longspec.data import read_records
-
-    h = json.loads((run / "heldout.json").read_text())
-    conf = yaml.safe_load((run / "training_config.yaml").read_text())
-    recs = [rec for i, (_, rec) in enumerate(read_records(Path(conf["train_file"]), "error"))
-            if h["start"] <= i < h["start"] + h["records"]]
-    out.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    return len(recs)
-
-
-def eval_tau(run: Path, draft: Path, prompts: Path, n: int, gamma: int) -> float:
+def eval_draft(run: Path, draft: Path) -> dict:
     proc = subprocess.run([sys.executable, "-m", "longspec.evaluate", str(run), "--draft", str(draft),
-                           "--prompts", str(prompts), "--num-prompts", str(n), "--gamma", str(gamma),
                            "--no-write", "--json"], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-    if proc.returncode not in (0, 1):
+    if proc.returncode not in (0, 1) or not proc.stdout.strip():
         sys.exit(f"eval failed: {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])["methods"]["chain"]["tau"]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def drafts(d: Path, stage: str) -> dict[int, Path]:
-    """step -> draft file of the stage: the input draft (step 0), kept checkpoints, the final draft."""
-    run = d / "runs" / stage
-    done = json.loads((run / "stage_complete.json").read_text())
-    out = {}
-    prev = STAGES[STAGES.index(stage) - 1] if stage != "base" else None
-    if prev:
-        out[0] = d / "runs" / prev / "draft_model_weights.pth"
-    for c in sorted(run.glob("checkpoint-*")):
-        if (c / "checkpoint.json").is_file():
-            out[int(c.name.split("-")[1])] = c / "draft_model_weights.pth"
-    out[done["steps"]] = run / "draft_model_weights.pth"
-    return out
-
-
-def agreement(d: Path, gamma: int) -> None:
-    print(f"agreement: simulated tau (held-out records, teacher-forced) vs eval's greedy chain tau (gamma {gamma}), "
-          "same held-out records as prompts")
-    print(f"{'stage':8} {'step':>5} {'sim tau':>8} {'eval tau':>9} {'ratio':>6}")
-    ratios, same_order = [], []
-    for stage in STAGES:
-        run = d / "runs" / stage
-        rec = records(run)
-        prompts = run.parent / f"{stage}-heldout.jsonl"
-        n = heldout_prompts(run, prompts)
-        rows = []
-        for step, path in sorted(drafts(d, stage).items()):
-            if step not in rec:
-                continue
-            ev = eval_tau(run, path, prompts, n, gamma)
-            rows.append((step, rec[step]["tau"], ev))
-            print(f"{stage:8} {step:>5} {rec[step]['tau']:>8.3f} {ev:>9.3f} {rec[step]['tau'] / ev:>6.3f}")
-        final = rows[-1]
-        ratios.append((stage, final[1] / final[2]))
-        by_sim = [r[0] for r in sorted(rows, key=lambda r: r[1])]
-        by_eval = [r[0] for r in sorted(rows, key=lambda r: r[2])]
-        same_order.append((stage, by_sim == by_eval, by_sim, by_eval))
-    for stage, ratio in ratios:
-        print(f"  {stage}: final draft simulated/eval tau ratio {ratio:.3f}")
-    for stage, same, a, b in same_order:
-        print(f"  {stage}: drafts by simulated tau {a}, by eval tau {b}: {'same order' if same else 'DIFFERENT order'}")
-
-
-def stage_costs(d: Path) -> dict[str, tuple[float, float]]:
-    """stage -> (trainer wall s from the end event, seconds inside simulated-tau evaluations)."""
+def drafts(run: Path) -> dict[int, Path]:
+    """step -> draft file of the stage: kept checkpoints, best/, the final draft."""
     from longspec_cli.core import runfolder
 
     out = {}
+    for c in sorted(run.glob("checkpoint-*")):
+        if (c / "checkpoint.json").is_file():
+            out[int(c.name.split("-")[1])] = c / "draft_model_weights.pth"
+    best = runfolder.RunDir(run).best()
+    if best:
+        out.setdefault(int(best["step"]), Path(best["weights"]))
+    out[json.loads((run / "stage_complete.json").read_text())["steps"]] = run / "draft_model_weights.pth"
+    return out
+
+
+def prompt_keys(ev: dict) -> list:
+    return [(p["record"], p["prompt_tokens"]) for p in ev["per_prompt"]]
+
+
+def agreement(d: Path) -> None:
+    print("agreement: tau at each stage's last step vs eval's default chain tau of the final draft (eval.json)")
+    for stage in STAGES:
+        run = d / "runs" / stage
+        ev = json.loads((run / "eval.json").read_text())
+        rec = records(run)
+        last = rec[max(rec)]
+        by_t = {b["length"]: b["tau"] for b in last["by_length"]}
+        print(f"  {stage:8} in training {last['tau']:.4f}  eval {ev['tau']:.4f}  ratio {last['tau'] / ev['tau']:.4f}  "
+              f"by length: " + ", ".join(f"{b['length']}: {by_t.get(b['length'], float('nan')):.3f} vs "
+                                         f"{b['chain']['tau']:.3f}" for b in ev["by_length"])
+              + f"  (eval: {ev.get('continuations')})")
+    print("ranking: every draft with a tau record, in-training tau vs eval's chain tau on the same prompts")
+    print(f"  {'stage':8} {'step':>5} {'in training':>11} {'eval':>7} {'ratio':>6}")
+    alike = 0
+    for stage in STAGES:
+        run = d / "runs" / stage
+        ev0 = json.loads((run / "eval.json").read_text())
+        rec, rows = records(run), []
+        if "baseline" in ev0 and 0 in rec:
+            rows.append((0, rec[0]["tau"], ev0["baseline"]["tau"]))
+        for step, path in sorted(drafts(run).items()):
+            if step not in rec:
+                continue
+            ev = eval_draft(run, path)
+            if prompt_keys(ev) != prompt_keys(ev0):
+                sys.exit(f"{stage} step {step}: eval chose other prompts than eval.json's")
+            rows.append((step, rec[step]["tau"], ev["tau"]))
+        for step, sim, tau in rows:
+            print(f"  {stage:8} {step:>5} {sim:>11.4f} {tau:>7.4f} {sim / tau:>6.4f}")
+        by_sim = [r[0] for r in sorted(rows, key=lambda r: (r[1], r[0]))]
+        by_eval = [r[0] for r in sorted(rows, key=lambda r: (r[2], r[0]))]
+        alike += by_sim == by_eval
+        print(f"  {stage}: drafts by in-training tau {by_sim}, by eval {by_eval}: "
+              + ("same order" if by_sim == by_eval else "DIFFERENT order"))
+    print(f"  ranked alike in {alike} of {len(STAGES)} stages")
+
+
+def cost(d: Path) -> None:
+    from longspec_cli.core import runfolder
+
+    print("cost (metrics.jsonl: evaluations + continuations over the trainer's wall time, `end` event):")
     for stage in STAGES:
         log = runfolder.read_metrics(d / "runs" / stage / runfolder.METRICS)
-        end = [e for e in log.events if e.get("event") == "end"][-1]
-        out[stage] = (float(end["elapsed_s"]), sum(float(r.get("eval_s", 0)) for r in log.simtau))
-    return out
+        wall = float([e for e in log.events if e.get("event") == "end"][-1]["elapsed_s"])
+        ev = sum(float(r.get("eval_s", 0)) for r in log.simtau)
+        co = sum(float(r.get("continuations_s", 0)) for r in log.simtau)
+        print(f"  {stage:8} {len(log.simtau)} evaluations {ev:6.1f} s + continuations {co:5.1f} s of {wall:6.1f} s: "
+              f"{(ev + co) / wall:.1%}")
+
+
+def estimate(a) -> None:
+    from longspec.evalreport import default_lengths
+    from longspec.prompts import default_num_prompts
+
+    lengths = default_lengths(a.seq)
+    per = {n: default_num_prompts(n, len(lengths)) for n in lengths}
+    prompts = sum(per.values())
+    new = min(1024, a.seq // 8) + a.gamma
+    prompt_tokens = sum(n * k for n, k in per.items())
+    flops = 2 * a.params                                          # per token, forward
+    gather_s = 2 * a.params / (a.gather_gbs * 1e9)                # bf16 weights gathered once per forward
+    compute = a.gpus * a.tflops * 1e12
+    # continuations: each rank decodes its share (round-robin) in left-padded batches (chainwalk.decode_batches)
+    from types import SimpleNamespace
+
+    from longspec.chainwalk import GEN_BATCH, GEN_TOKENS, decode_batches
+
+    fake = [SimpleNamespace(ids=range(n)) for n, k in per.items() for _ in range(k)]
+    plans = [decode_batches(list(range(r, prompts, a.gpus)), fake, new, GEN_BATCH, GEN_TOKENS) for r in range(a.gpus)]
+    batches = max(len(p) for p in plans)
+    padded = max(sum(len(b) * len(fake[b[0]].ids) for b in p) for p in plans) * a.gpus   # prefill positions
+    cont_s = batches * new * gather_s + (padded + prompts * new) * flops / compute
+    # one evaluation: teacher-forced forward over prompt + continuation, micro-batches of one row
+    ev_tokens = prompt_tokens + prompts * new
+    ev_s = ev_tokens * flops / compute + math.ceil(prompts / a.gpus) * gather_s
+    # a training step: the frozen target's forward over the global batch (the draft is small)
+    step_s = a.gpus * a.seq * flops / compute + gather_s
+    evals = a.steps // a.eval_steps + 2
+    from longspec.chainwalk import FROZEN_BYTES
+
+    kept = (prompt_tokens + prompts * new) / a.gpus * (2 * a.kv + a.hidden) * 2        # bf16 K/V + embeddings
+    later_s = ev_s
+    if kept <= FROZEN_BYTES:     # later evaluations: the draft's gamma lags (about one target layer each) alone
+        later_s = ev_tokens * a.gamma * flops / a.layers / compute + math.ceil(prompts / a.gpus) * gather_s / a.layers
+    ev_all = ev_s + (evals - 1) * later_s
+    total = a.steps * step_s
+    print(f"estimate, a {a.seq // 1024}k stage of a {a.params / 1e9:.1f}B target on {a.gpus} GPUs (ZeRO-3, "
+          f"{a.tflops:.0f} TFLOP/s each, weights gathered at {a.gather_gbs:.0f} GB/s): {prompts} prompts "
+          f"({', '.join(f'{n // 1024}k: {k}' for n, k in per.items())}), {new} tokens each")
+    print(f"  continuations once: {cont_s / 60:.1f} min ({batches} decode batches per rank x {new} forwards x "
+          f"{gather_s:.2f} s gathering); first evaluation: {ev_s:.1f} s ({ev_tokens / 1e3:.0f}k tokens forward)")
+    print(f"  the target's outputs of a rank's share: {kept / 2**30:.2f} GiB (kept between evaluations up to "
+          f"{FROZEN_BYTES / 2**30:.1f} GiB): later evaluations {later_s:.1f} s each")
+    print(f"  a training step ~{step_s:.1f} s; {a.steps} steps with eval_steps={a.eval_steps}: {evals} evaluations "
+          f"{ev_all / 60:.1f} min + continuations {cont_s / 60:.1f} min of ~{total / 3600:.1f} h: "
+          f"{(ev_all + cont_s) / total:.1%}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", type=Path)
-    ap.add_argument("--skip-cost", action="store_true")
+    ap.add_argument("--reuse", action="store_true", help="measure a finished demo folder (--dir) as it is")
+    ap.add_argument("--seq", type=int, default=32768)
+    ap.add_argument("--params", type=float, default=32.8e9)
+    ap.add_argument("--gpus", type=int, default=8)
+    ap.add_argument("--tflops", type=float, default=400.0, help="achieved bf16 TFLOP/s per GPU")
+    ap.add_argument("--gather-gbs", type=float, default=150.0, help="ZeRO-3 all-gather bandwidth per rank, GB/s")
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--eval-steps", type=int, default=100)
     ap.add_argument("--gamma", type=int, default=4)
-    ap.add_argument("--together", action="store_true",
-                    help="run the eval_steps=0 pipeline at the same time as the default one (a loaded machine "
-                         "then slows both alike)")
+    ap.add_argument("--hidden", type=int, default=5120, help="the target's hidden size")
+    ap.add_argument("--kv", type=int, default=1024, help="the target's key/value heads x head size")
+    ap.add_argument("--layers", type=int, default=64, help="the target's layers (the draft is about one)")
     a = ap.parse_args()
-    base = a.dir or Path(tempfile.mkdtemp(prefix="ls-simtau-"))
-    on, off = base / "on", base / "off"
-    second = start(off, "eval_steps=0") if a.together and not a.skip_cost else None
-    demo(on)
-    if second is not None:
-        wait(second)
-    agreement(on, a.gamma)
-    with_eval = stage_costs(on)
-    print("cost (trainer wall s of each stage, `end` event):")
-    if not a.skip_cost:
-        if second is None:
-            demo(off, "eval_steps=0")
-        without = stage_costs(off)
-    for stage in STAGES:
-        wall, inside = with_eval[stage]
-        line = f"  {stage:8} with eval {wall:7.1f} s, of which evaluating {inside:5.1f} s: +{inside / (wall - inside):.1%}"
-        if not a.skip_cost:
-            w0 = without[stage][0]
-            line += f"; eval_steps=0 {w0:7.1f} s, ratio {wall / w0:.3f}"
-        print(line)
-    total, inside = sum(w for w, _ in with_eval.values()), sum(i for _, i in with_eval.values())
-    print(f"  all stages: evaluation adds {inside / (total - inside):.1%} to the trainer's wall time"
-          + ("" if a.skip_cost else f"; wall ratio on/off {total / sum(w for w, _ in without.values()):.3f}"))
+    d = a.dir or Path(tempfile.mkdtemp(prefix="ls-simtau-")) / "demo"
+    if not a.reuse:
+        demo(d)
+    agreement(d)
+    cost(d)
+    estimate(a)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ def measure(model, target, draft, prompts: list, *, gamma: int, device, log=None
         p = torch.tensor([pr.ids], device=device)
         stops = () if no_stop else pr.stops
         g = plain(p, gen(i), pr.max_new, stops)
-        raw = {"plain": (max(0, len(g.tokens) - 1), g.decode_s)}
+        raw = {"plain": (max(0, len(g.tokens) - 1), g.decode_s), "tokens": g.tokens}
         row: dict = {"record": pr.record, "kind": pr.kind, "prompt_tokens": len(pr.ids), "bucket": pr.bucket}
         if pr.task:
             row["task"] = pr.task

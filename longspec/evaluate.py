@@ -39,13 +39,10 @@ from typing import Any, Mapping
 
 from longspec.evalmeasure import METHODS
 from longspec.evalreport import EVAL_NAME
-from longspec.prompts import PromptError, conf_get as _get
+from longspec.prompts import (MAX_PROMPTS, MIN_PROMPTS, PROMPT_TOKEN_BUDGET, PromptError,  # noqa: F401 (eval's defaults)
+                              conf_get as _get, default_num_prompts)
 
 DEFAULT_GAMMA = 4
-# Prompts to decode when --num-prompts is not given: a budget of prompt tokens, so short-context
-# stages get many prompts (tau varies a lot from prompt to prompt) and 32k stages stay affordable.
-PROMPT_TOKEN_BUDGET = 4096
-MIN_PROMPTS, MAX_PROMPTS = 8, 32
 
 
 def stage_draft(run_dir: Path, conf: Mapping, complete: Mapping | None, args) -> tuple[str, Path, Path, int]:
@@ -67,11 +64,6 @@ def stage_draft(run_dir: Path, conf: Mapping, complete: Mapping | None, args) ->
         raise EvalError(f"{run_dir}: no target recorded (training_config.yaml missing)", 2, hint="pass --target PATH")
     window = args.sliding_window or int(_get(conf, "draft.sliding_window", 512))
     return str(stage), draft, target, window
-
-
-def default_num_prompts(context_tokens: int, buckets: int = 1) -> int:
-    """Prompts for a length bucket: its share of PROMPT_TOKEN_BUDGET tokens, MIN_PROMPTS to MAX_PROMPTS."""
-    return max(MIN_PROMPTS, min(MAX_PROMPTS, PROMPT_TOKEN_BUDGET // max(1, buckets * context_tokens)))
 
 
 class EvalError(Exception):
@@ -247,7 +239,8 @@ def nondefault_settings(args) -> list[str]:
 
 
 def pick_prompts(args, conf: dict, complete: dict | None, tok, max_seq: int, limit: int):
-    """(prompts, info, lengths) of this measurement (longspec.prompts / longspec.benchfiles)."""
+    """(prompts, info, lengths) of this measurement (longspec.prompts / longspec.benchfiles), each
+    prompt with its new-token limit and length bucket; info["prompts_over_longest"] counts those left out."""
     from longspec import benchfiles, prompts as P
     from longspec.evalreport import default_lengths
 
@@ -260,19 +253,23 @@ def pick_prompts(args, conf: dict, complete: dict | None, tok, max_seq: int, lim
         else:
             prompts, info = benchfiles.aime_prompts(where, tok, n=args.num_prompts)
         lengths = args.lengths or default_lengths(max(max_seq, max(len(p.ids) for p in prompts)))
+        prompts, info["prompts_over_longest"] = P.measured_prompts(prompts, lengths, args.max_new_tokens, max_seq)
         return prompts, info, lengths
-    lengths = args.lengths or default_lengths(max_seq)
     if args.prompts is not None:
+        lengths = args.lengths or default_lengths(max_seq)
         prompts, info = P.file_prompts(args.prompts, tok, lengths=lengths, n=args.num_prompts)
+        prompts, info["prompts_over_longest"] = P.measured_prompts(prompts, lengths, args.max_new_tokens, max_seq)
         return prompts, info, lengths
     data = args.data or _path(_get(conf, "train_file"))
     if data is None:
         raise EvalError(f"{args.run_dir}: no train_file recorded", 2, hint="pass --prompts FILE or --data FILE")
     trained_on = _path(_get(conf, "train_file"))
     same_data = trained_on is not None and Path(data).resolve() == trained_on.resolve()
-    steps = (complete or {}).get("steps") if args.draft is None and same_data else None
-    per = {n: args.num_prompts or default_num_prompts(n, len(lengths)) for n in lengths}
-    prompts, info = P.stage_prompts(Path(data), tok, conf, steps, lengths=lengths, per_length=per)
+    # a draft of this run (its final one, a checkpoint, best/) was trained on the records the run drew
+    ours = args.draft is None or Path(args.run_dir).resolve() in Path(args.draft).resolve().parents
+    steps = (complete or {}).get("steps") if ours and same_data else None
+    prompts, info, lengths = P.default_prompts(Path(data), tok, conf, steps, lengths=args.lengths,
+                                               num_prompts=args.num_prompts, max_new=args.max_new_tokens)
     if not same_data:
         info["heldout_check"] = "another file than the stage's train_file"
     return prompts, info, lengths
@@ -302,11 +299,9 @@ def evaluate(args: argparse.Namespace, log=None) -> dict:
         prompts, pinfo, lengths = pick_prompts(args, conf, complete, tok, max_seq, limit)
     except PromptError as e:
         raise EvalError(e.message, e.code, e.hint) from None
-    P.limit_new_tokens(prompts, args.max_new_tokens, max_seq)
-    for p in prompts:
-        p.bucket = evalreport.bucket_of(len(p.ids), lengths)
-    over = sum(1 for p in prompts if p.bucket is None)
-    prompts = [p for p in prompts if p.bucket is not None]
+    over = pinfo.pop("prompts_over_longest")
+    if log and pinfo.get("short_documents"):
+        log(f"[{stage}] note: {pinfo['short_documents']} (--lengths sets the lengths)")
     if not prompts:
         raise EvalError(f"every prompt is longer than the longest length ({lengths[-1]} tokens)", 3,
                         hint="--lengths sets the buckets")
@@ -368,6 +363,10 @@ def evaluate(args: argparse.Namespace, log=None) -> dict:
         "target_forwards": first["target_forwards"],
         "by_length": evalreport.by_length(rows, lengths, methods),
     }
+    if args.bench is None and args.prompts is None and args.data is None:      # the stage's own prompts
+        from longspec.chainwalk import same_as_training
+
+        result["continuations"] = same_as_training(run_dir, target, prompts, rows)
     if args.bench is not None:
         result["by_task"] = evalreport.by_task(rows, lengths, methods)
     if baseline is not None:

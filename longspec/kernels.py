@@ -239,7 +239,31 @@ def _sdpa_attention(q, k, v, causal, window, lag, key_padding_mask, scale, q_chu
     return torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
 
 
-def _sdpa_chunk(q, k, v, t0, t1, lo, hi, window, lag, key_padding_mask, scale):
+def attention_rows(q, k, v, start: int, *, window: int | None = None, lag: int = 0,
+                   key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of the queries at positions start .. start + Tq - 1 alone (q (B, nh, Tq,
+    hd); k, v (B, kvh, S, hd) from position 0): those rows of attention(..., causal=True), on the
+    reference path, without the queries before ``start``."""
+    B, nh, Tq, hd = q.shape
+    if key_padding_mask is not None:
+        key_padding_mask = key_padding_mask.to(device=q.device, dtype=torch.bool)
+        if key_padding_mask.all():
+            key_padding_mask = None
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    S, scale = k.shape[2], 1.0 / math.sqrt(hd)
+    keys = S if window is None else min(S, window + 1)
+    step = max(16, _SDPA_SCORE_BUDGET // max(1, B * nh * 2 * keys))
+    pieces = []
+    for t0 in range(start, start + Tq, step):
+        t1 = min(start + Tq, t0 + step)
+        lo = 0 if window is None else max(0, t0 - lag - window)
+        pieces.append(_sdpa_chunk(q, k, v, t0, t1, lo, max(0, min(S, t1 - lag)), window, lag, key_padding_mask,
+                                  scale, q_at=start))
+    return torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
+
+
+def _sdpa_chunk(q, k, v, t0, t1, lo, hi, window, lag, key_padding_mask, scale, q_at: int = 0):
     B, nh, _, hd = q.shape
     kvh = k.shape[1]
     g, Tc = nh // kvh, t1 - t0
@@ -255,7 +279,7 @@ def _sdpa_chunk(q, k, v, t0, t1, lo, hi, window, lag, key_padding_mask, scale):
     if not all_ok:  # give empty rows one key so softmax stays finite, then zero them below
         mask = mask | (~row_ok & (torch.arange(hi - lo, device=dev) == 0))
     # Fold the query heads of each KV group into the sequence axis: no K/V copy per head.
-    qc = q[:, :, t0:t1].reshape(B, kvh, g * Tc, hd)               # (B, kvh, g*Tc, hd)
+    qc = q[:, :, t0 - q_at:t1 - q_at].reshape(B, kvh, g * Tc, hd)  # (B, kvh, g*Tc, hd); q starts at q_at
     kc, vc = k[:, :, lo:hi], v[:, :, lo:hi]                       # (B, kvh, Sc, hd)
     out = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale)
     if not all_ok:

@@ -31,6 +31,10 @@ DEFAULT_NEW_TOKENS = {"document": 1024, "chat": 1024, "longbench": 1024, "cot": 
 NEW_TOKENS_SHARE = 8
 MIN_NEW_TOKENS = 32
 MIN_CONTEXT = 8
+# Prompts per length bucket when --num-prompts is not given: a budget of prompt tokens, so
+# short-context stages get many prompts (tau varies a lot from prompt to prompt) and 32k stages stay affordable.
+PROMPT_TOKEN_BUDGET = 4096
+MIN_PROMPTS, MAX_PROMPTS = 8, 32
 SYSTEM_PROMPT = "You are a helpful assistant"   # upstream's benchmark scripts' system turn
 
 
@@ -122,8 +126,10 @@ def document_text(rec: Any) -> str | None:
     return None
 
 
-def record_prompts(rec: Any, where: str, tokenizer, lengths: list[int], stops: tuple[int, ...]) -> list[Prompt]:
-    """The prompts one training record gives: its question, or its prefixes at each length."""
+def record_prompts(rec: Any, where: str, tokenizer, lengths: list[int], stops: tuple[int, ...],
+                   short_whole: bool = False) -> list[Prompt]:
+    """The prompts one training record gives: its question, or its prefixes at each length;
+    ``short_whole``: a document not longer than the smallest length, whole (at its own length)."""
     conv = record_messages(rec)
     if conv is not None:
         messages, kind = conv
@@ -138,8 +144,43 @@ def record_prompts(rec: Any, where: str, tokenizer, lengths: list[int], stops: t
         return []
     ids = tokenizer(text)["input_ids"]      # the tokenizer's own specials, as the trainer encodes documents
     eos = tokenizer.eos_token_id
-    return [Prompt(ids[:n], where, "document", stops=() if eos is None else (int(eos),))
-            for n in lengths if len(ids) > n >= MIN_CONTEXT]
+    stop = () if eos is None else (int(eos),)
+    if short_whole and MIN_CONTEXT <= len(ids) <= lengths[0]:
+        return [Prompt(ids, where, "document", stops=stop)]
+    return [Prompt(ids[:n], where, "document", stops=stop) for n in lengths if len(ids) > n >= MIN_CONTEXT]
+
+
+def default_num_prompts(context_tokens: int, buckets: int = 1) -> int:
+    """Prompts for a length bucket: its share of PROMPT_TOKEN_BUDGET tokens, MIN_PROMPTS to MAX_PROMPTS."""
+    return max(MIN_PROMPTS, min(MAX_PROMPTS, PROMPT_TOKEN_BUDGET // max(1, buckets * context_tokens)))
+
+
+def measured_prompts(prompts: list[Prompt], lengths: list[int], max_new: int | None,
+                     max_seq: int) -> tuple[list[Prompt], int]:
+    """(the prompts a measurement decodes, how many were longer than every length): each with its
+    new-token limit (limit_new_tokens) and its length bucket (longspec.evalreport.bucket_of)."""
+    from longspec.evalreport import bucket_of
+
+    limit_new_tokens(prompts, max_new, max_seq)
+    for p in prompts:
+        p.bucket = bucket_of(len(p.ids), lengths)
+    kept = [p for p in prompts if p.bucket is not None]
+    return kept, len(prompts) - len(kept)
+
+
+def default_prompts(path: Path, tokenizer, conf: dict, steps: int | None, *, lengths: list[int] | None = None,
+                    num_prompts: int | None = None, max_new: int | None = None) -> tuple[list[Prompt], dict, list[int]]:
+    """A stage's measurement from its own records: `eval`'s default one (and, with the run's step
+    count, what the trainer's simulated tau decodes: longspec.chainwalk). (prompts with limits
+    and buckets, info, lengths); the arguments are eval's --lengths, --num-prompts, --max-new-tokens."""
+    from longspec.evalreport import default_lengths
+
+    max_seq = int(conf_get(conf, "data.max_seq_length", 1024))
+    lengths = lengths or default_lengths(max_seq)
+    per = {n: num_prompts or default_num_prompts(n, len(lengths)) for n in lengths}
+    prompts, info = stage_prompts(path, tokenizer, conf, steps, lengths=lengths, per_length=per)
+    prompts, info["prompts_over_longest"] = measured_prompts(prompts, lengths, max_new, max_seq)
+    return prompts, info, lengths
 
 
 def limit_new_tokens(prompts: list[Prompt], max_new: int | None, max_seq: int) -> None:
@@ -192,8 +233,6 @@ def stage_prompts(path: Path, tokenizer, conf: dict, steps: int | None, *, lengt
 
     from longspec.data import DataError, read_records, where_short
 
-    from longspec.evalreport import bucket_of
-
     tail: deque = deque(maxlen=max(256, 16 * sum(per_length.values())))
     count = 0
     try:
@@ -204,13 +243,40 @@ def stage_prompts(path: Path, tokenizer, conf: dict, steps: int | None, *, lengt
         raise PromptError(f"{path}: {e}", 3 if not isinstance(e, FileNotFoundError) else 2) from None
     seen = trained_indices(count, conf, steps)
     stops = end_of_turn_ids(tokenizer)
+    prompts, fresh = _pick(tail, seen, path, tokenizer, lengths, per_length, stops, False)
+    short = None
+    if not prompts:          # every document shorter than the smallest length: each at its own length
+        prompts, fresh = _pick(tail, seen, path, tokenizer, lengths, per_length, stops, True)
+        if prompts:
+            short = (f"every document is at most {lengths[0]} tokens (the smallest length): measured whole, "
+                     f"in the {lengths[0]}-token bucket")
+    if not prompts:
+        raise PromptError(f"{path}: no record gives a prompt of at most {max(lengths)} tokens "
+                          f"(collator {conf_get(conf, 'data.collator', 'short_text')}): a document gives "
+                          f"its prefixes at each length it is longer than ({', '.join(map(str, lengths))}), "
+                          f"a chat or chain-of-thought record its question", 3,
+                          hint="--lengths sets the lengths (e.g. --lengths 256,512)")
+    n_drawn = len(prompts) - len(fresh)
+    info = {"prompt_source": str(path), "records": count,
+            "records_drawn_in_training": None if seen is None else len(seen),
+            "prompts_drawn_in_training": None if seen is None else n_drawn,
+            "heldout_check": "replayed the trainer's sampler" if seen is not None else "not possible (unverified)"}
+    if short:
+        info["short_documents"] = short
+    return prompts, info
+
+
+def _pick(tail, seen, path: Path, tokenizer, lengths, per_length, stops, short_whole: bool):
+    """(prompts in file order, the fresh ones): newest never-drawn records first, drawn ones fill the rest."""
+    from longspec.evalreport import bucket_of
+
     fresh: list[Prompt] = []
     drawn: list[Prompt] = []
     left = dict(per_length)
     left_drawn = dict(per_length)
     for idx, line, rec in reversed(tail):
         was_drawn = seen is not None and idx in seen
-        for p in record_prompts(rec, line, tokenizer, lengths, stops):
+        for p in record_prompts(rec, line, tokenizer, lengths, stops, short_whole):
             b = bucket_of(len(p.ids), lengths)
             room = left_drawn if was_drawn else left
             if b is not None and room.get(b, 0) > 0:
@@ -225,15 +291,7 @@ def stage_prompts(path: Path, tokenizer, conf: dict, steps: int | None, *, lengt
             left[b] -= 1
             prompts.append(p)
     prompts.reverse()                                 # file order
-    if not prompts:
-        raise PromptError(f"{path}: no record gives a prompt of at most {max(lengths)} tokens "
-                          f"(collator {conf_get(conf, 'data.collator', 'short_text')})", 3)
-    n_drawn = len(prompts) - len(fresh)
-    info = {"prompt_source": str(path), "records": count,
-            "records_drawn_in_training": None if seen is None else len(seen),
-            "prompts_drawn_in_training": None if seen is None else n_drawn,
-            "heldout_check": "replayed the trainer's sampler" if seen is not None else "not possible (unverified)"}
-    return prompts, info
+    return prompts, fresh
 
 
 # ----------------------------------------------------------------------------- --prompts FILE

@@ -1,22 +1,25 @@
-"""Simulated acceptance length (tau) while a stage trains, and the stage's best draft.
+"""Tau while a stage trains: `eval`'s chain tau for the current draft (longspec.chainwalk), and
+the stage's best draft.
 
 Held-out records: the last records of the stage's prepared data, taken from the end until
 `eval_tokens` tokens are reached (the last one taken is cut to fit; at most half of the records).
 The trainer's sampler draws from the records before them only (`TrainPart`), so they are never
 trained on. The choice depends on the data and `eval_tokens` alone, so a resumed run gets the same
 set: heldout.json in the run folder records it (range, token counts, sha256 of the tokens) and a
-resume that would hold out other tokens is refused.
+resume that would hold out other tokens is refused. `eval` replays the sampler over the records
+before them, so its default prompts come from these never-drawn records first.
 
-The estimate, every `eval_steps` optimizer steps (and at step 0 and the last step): one target
-forward over a held-out record gives the target's greedy token at every position t; the draft,
-teacher-forced on the same tokens, cross-attends to the target's last-layer K/V lagged by k
-(keys up to t - k, as in training with the noisy lag and as the k-th token of a chain is drafted
-in decoding), k = 1..eval_gamma, and gives its greedy token. alpha_k = the fraction of positions
-t >= gamma where the two agree; tau = 1 + sum_k prod_{i<=k} alpha_i (docs/DESIGN.md says why this
-estimates eval's chain tau, and its bias). Each rank measures its share of the records; the counts
-are all-reduced, and every rank runs the same number of forwards (ZeRO-3 gathers parameters in
-each one). Rank 0 writes one `{"record": "simtau", ...}` metrics line, and, when tau beats the best
-so far, the draft into best/ and best.json (its step, tau and sha256) after it.
+The figure, every `eval_steps` optimizer steps (and at step 0 and the last step): the prompts of
+`eval`'s default measurement for the run's step count (longspec.prompts.default_prompts, read
+from the training_config.yaml eval reads), the target's greedy continuation of each (made once per
+run, kept in continuations.json), and the block walk of greedy chain decoding over the draft's
+teacher-forced guesses at lags 1..eval_gamma (longspec.chainwalk). Each rank walks its share of the
+prompts; the counts are all-reduced, and every rank runs the same number of forwards (ZeRO-3
+gathers parameters in each one). Rank 0 writes one `{"record": "simtau", ...}` metrics line (tau,
+tau by length bucket, the acceptance rate at each draft position), and, when tau beats the best
+so far, the draft into best/ and best.json (its step, tau and sha256) after it. A resume from a
+checkpoint older than best.json's step drops that best draft (its steps are rolled back) and
+measures the resumed draft at once.
 """
 from __future__ import annotations
 
@@ -25,12 +28,12 @@ import math
 import shutil
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from longspec_cli.core import runfolder
 from longspec_cli.core.atomic import atomic_write_json
 
-ARGMAX_ROWS = 1024          # rows of hidden states per vocabulary projection (no (T, V) logits at 32k)
 MIN_PIECE = 16              # a held-out record is not cut shorter than this
 
 
@@ -95,92 +98,13 @@ class TrainPart:
         return getattr(self.dataset, name)
 
 
-def chain_tau(alpha: list[float]) -> float:
-    """1 + sum_k prod_{i<=k} alpha_i: the expected tokens per target forward of a greedy chain."""
-    tau, run = 1.0, 1.0
-    for a in alpha:
-        run *= a
-        tau += run
-    return tau
-
-
-def agreement_counts(module, batches: list[tuple[Any, Any]], gamma: int, device) -> Any:
-    """float64 (2, gamma): agreeing positions and positions counted per lag k = 1..gamma, over
-    `batches` = [(token ids (B, T) right-padded, counted tokens per row (B,): 0 = a stand-in row)].
-    Position t of a row counts when gamma <= t < its counted length. `module` is the training model
-    (longspec.model.GlideModel); under ZeRO-3 every rank must pass the same number of batches."""
-    import torch
-
-    from longspec.zero import gathered
-
-    counts = torch.zeros(2, gamma, dtype=torch.float64)
-    target, draft = module.target, module.draft
-    dtype = draft.input_layernorm.weight.dtype
-    with torch.no_grad():
-        for ids, lengths in batches:
-            B, T = ids.shape
-            ids = ids.to(device)
-            t = torch.arange(T, device=device)
-            real = t.unsqueeze(0) < lengths.to(device).unsqueeze(1)              # (B, T)
-            mask = real.long() if bool((~real).any()) else None
-            pos = t.unsqueeze(0).expand(B, T)                                     # (B, T)
-            tgt = target(ids, pos, attention_mask=mask)
-            hidden = target.embed(ids).to(dtype)                                  # (B, T, H)
-            rope = target.rotary(pos, hidden)
-            outs = draft_all_lags(draft, hidden, tgt.k, tgt.v, rope, mask, gamma)
-            keep = real & (t.unsqueeze(0) >= gamma)                                # (B, T)
-            # Every rank enters the gather (a ZeRO-3 collective), a stand-in batch with nothing to count too.
-            with gathered(target.lm_head.weight) as w:
-                if not bool(keep.any()):
-                    continue
-                want = _argmax(tgt.last_hidden[keep], w)                          # (N,)
-                for k, h in enumerate(outs):
-                    counts[0, k] += float((_argmax(h[keep], w) == want).sum())
-                    counts[1, k] += float(want.numel())
-    return counts
-
-
-def draft_all_lags(draft, hidden, target_k, target_v, rope, mask, gamma: int) -> list:
-    """GlideDraft.forward at cross-attention lags 1..gamma (a list of (B, T, H)), sharing what does not depend on the lag
-    (self-attention, the cross-attention queries); then per lag the cross-attention, its output
-    projection and the MLP. The same values as gamma calls of draft(...)
-    (tests/trainer/test_simtau.py holds them equal)."""
-    from longspec import kernels
-    from longspec.model import apply_rope
-
-    cos, sin = rope
-    x = draft.input_layernorm(hidden)
-    sa = draft.self_attn
-    q = apply_rope(sa.heads(sa.q_proj, x), cos, sin)
-    k = apply_rope(sa.heads(sa.k_proj, x), cos, sin)
-    y = kernels.attention(q, k, sa.heads(sa.v_proj, x), causal=True, window=draft.config.sliding_window,
-                          key_padding_mask=mask)
-    hidden = hidden + sa.out(y)
-    ca = draft.cross_attn
-    q = apply_rope(ca.heads(ca.q_proj, draft.post_self_attention_layernorm(hidden)), cos, sin)
-    outs = []
-    for lag in range(1, gamma + 1):          # one lag at a time: the MLP's activations of one forward
-        h = hidden + ca.out(kernels.attention(q, target_k, target_v, causal=True, lag=lag, key_padding_mask=mask))
-        outs.append(h + draft.mlp(draft.post_cross_attention_layernorm(h)))
-    return outs
-
-
-def _argmax(hidden, weight):
-    import torch
-
-    rows = [torch.argmax(hidden[a:a + ARGMAX_ROWS].float() @ weight.float().t(), dim=-1)
-            for a in range(0, hidden.shape[0], ARGMAX_ROWS)]
-    return torch.cat(rows)
-
-
 class SimTau:
-    """One rank's simulated-tau evaluation and best-draft keeping (`longspec.train` calls it)."""
+    """One rank's tau evaluation while training and best-draft keeping (`longspec.train` calls it)."""
 
     def __init__(self, conf: dict, dataset, out, rank: int, world: int, resumed: bool):
         self.every, self.gamma = int(conf["eval_steps"]), int(conf["eval_gamma"])
         self.out, self.rank, self.world, self.resumed = out, rank, world, resumed
-        self.dataset, self.batch = dataset, int(conf["per_gpu_train_batch_size"])
-        self.pad_id = 0
+        self.batch = int(conf["per_gpu_train_batch_size"])
         self.heldout = choose_heldout(dataset.offsets, dataset.tokens, int(conf["eval_tokens"])) \
             if hasattr(dataset, "offsets") else None
         self.train_part = dataset if self.heldout is None else TrainPart(dataset, self.heldout.start)
@@ -195,6 +119,12 @@ class SimTau:
                     f"began with ({out.dir / runfolder.HELDOUT}): the data or eval_tokens changed")
         best = out.read.best() if resumed else None
         self.best_tau = float(best["tau"]) if best else -math.inf
+        self.prompts: list | None = None             # eval's default prompts, once the first evaluation is due
+        self.lengths: list[int] = []
+        self.conts: dict = {}
+        self.frozen: dict = {}                       # the target's outputs of the held-out rows (chainwalk.chain_counts)
+        self.continuations_s: float | None = None    # generating them, in this process (None: reused or not yet)
+        self.redo = False                            # a dropped best: measure the resumed draft at once
 
     @property
     def enabled(self) -> bool:
@@ -206,63 +136,117 @@ class SimTau:
             return
         d = self.out.dir
         if not self.resumed:
-            (d / runfolder.BEST_INFO).unlink(missing_ok=True)
-            shutil.rmtree(d / runfolder.BEST_DIR, ignore_errors=True)
+            self._drop_best()
         if self.heldout is not None:
             atomic_write_json(d / runfolder.HELDOUT, self.heldout.to_json())
         else:
             (d / runfolder.HELDOUT).unlink(missing_ok=True)
 
-    def batches(self) -> list[tuple[Any, Any]]:
-        """This rank's share of the held-out records (round-robin), in batches of the training
-        micro-batch size; stand-in batches (counted length 0) so every rank runs as many forwards."""
+    def _drop_best(self) -> None:
+        d = self.out.dir
+        (d / runfolder.BEST_INFO).unlink(missing_ok=True)
+        shutil.rmtree(d / runfolder.BEST_DIR, ignore_errors=True)
+
+    def after_resume(self, step: int) -> None:
+        """Every rank, after the checkpoint of ``step`` is loaded: a best draft from a later step
+        was made by steps this run rolls back, so it goes, and the resumed draft is measured."""
         import torch
 
-        h = self.heldout
-        items = [(h.start + j, use) for j, use in enumerate(h.lengths)]
-        mine = items[self.rank::self.world]
-        per_rank = math.ceil(len(items) / self.world)
-        out = []
-        for a in range(0, per_rank, self.batch):
-            chunk = mine[a:a + self.batch] or items[:1]
-            rows = [self.dataset[i]["input_ids"][:use] for i, use in chunk]
-            ids = torch.full((len(rows), max(len(r) for r in rows)), self.pad_id, dtype=torch.long)
-            for b, r in enumerate(rows):
-                ids[b, :len(r)] = r
-            counted = torch.tensor([len(r) if mine[a:a + self.batch] else 0 for r in rows])
-            out.append((ids, counted))
-        return out
+        best = self.out.read.best()
+        later = torch.tensor([1 if best is not None and int(best.get("step", -1)) > step else 0])
+        torch.distributed.all_reduce(later)               # every rank decides alike
+        if not later.item():
+            return
+        if self.rank == 0:
+            self._drop_best()
+            from longspec.dist import print0
 
-    def maybe(self, session) -> bool:
+            print0(f"[resume] best.json was from step {best['step']}, after the checkpoint at step {step}: "
+                   "dropped, the resumed draft is measured now")
+        self.best_tau, self.redo = -math.inf, self.enabled
+
+    def _prepare(self, session) -> None:
+        """eval's default prompts for this run, and the target's greedy continuations (read back
+        when continuations.json was made from the same digest, else made now, once)."""
+        import torch
+
+        from longspec import chainwalk, prompts as P
+        from longspec.evaluate import EvalError, read_run
+
+        torch.distributed.barrier()                   # training_config.yaml and heldout.json are written
+        try:
+            conf, _ = read_run(self.out.dir)         # the resolved config `eval` reads
+            self.prompts, _, self.lengths = P.default_prompts(
+                Path(conf["train_file"]), session.pre.tokenizer, conf, session.total)
+        except (EvalError, P.PromptError) as e:
+            self.prompts, self.every = [], 0
+            from longspec.dist import print0
+
+            print0(f"[{session.conf['stage']}] note: no tau while training: {e.message}")
+            return
+        path = self.out.dir / runfolder.CONTINUATIONS
+        digest = chainwalk.continuation_digest(Path(conf["model_name_or_path"]), self.prompts)
+        conts = chainwalk.read(path, digest, self.prompts, self.gamma)
+        have = torch.tensor([0 if conts is None else 1])
+        torch.distributed.all_reduce(have, op=torch.distributed.ReduceOp.MIN)
+        if have.item():
+            self.conts = conts
+            return
+        t0 = time.time()
+        engine = session.engine
+        mine = chainwalk.generate(engine.module.target.model, self.prompts, self.gamma, engine.device,
+                                  self.rank, self.world)
+        shares: list = [None] * self.world
+        torch.distributed.all_gather_object(shares, mine)
+        toks = {i: t for share in shares for i, t in share.items()}
+        self.conts = {i: chainwalk.Continuation(toks[i], chainwalk.stop_end(toks[i], p.max_new, p.stops))
+                      for i, p in enumerate(self.prompts)}
+        self.continuations_s = time.time() - t0
+        if self.rank == 0:
+            chainwalk.write(path, digest, self.gamma, self.prompts, self.conts, self.continuations_s)
+
+    def maybe(self, session, force: bool = False) -> bool:
         """Evaluate when the step is due (every rank calls it at the same steps). True when it ran."""
         step = session.step
-        if not self.enabled or not (step % self.every == 0 or step == session.total):
+        if not self.enabled or not (force or step % self.every == 0 or step == session.total):
             return False
-        t0, h = time.time(), self.heldout
-        self.pad_id = session.pad_id
-        counts = agreement_counts(session.engine.module, self.batches(), self.gamma, session.engine.device)
+        self.redo = False
+        from longspec import chainwalk
+
+        t0, first = time.time(), self.prompts is None
+        if first:
+            self._prepare(session)
+            if not self.enabled:
+                return False
+        t1 = time.time()
+        counts = chainwalk.chain_counts(session.engine.module, self.prompts, self.conts, self.lengths, self.gamma,
+                                        session.engine.device, self.rank, self.world, self.batch, self.frozen)
         import torch
 
         torch.distributed.all_reduce(counts)
-        alpha = [float(a / n) if n > 0 else 0.0 for a, n in zip(counts[0].tolist(), counts[1].tolist())]
-        tau = chain_tau(alpha)
+        fig = chainwalk.figures(counts, self.lengths, self.prompts, self.gamma)
+        tau = fig["tau"]
         record = {"record": runfolder.SIMTAU, "step": int(step), "total_steps": int(session.total),
-                  "tau": round(tau, 4), "alpha": [round(a, 4) for a in alpha], "gamma": self.gamma,
-                  "positions": int(counts[1, 0].item()), "records": h.records}
+                  "tau": tau, "alpha": fig["alpha"], "gamma": self.gamma, "by_length": fig["by_length"],
+                  "blocks": fig["blocks"], "prompts": len(self.prompts), "records": self.heldout.records}
         best = tau > self.best_tau
         if best:
             self.best_tau = tau
-            self._save_best(session, step, tau, alpha)
+            self._save_best(session, step, tau, fig)
         record["best"] = best
         if self.rank == 0:
-            self.out.record({**record, "eval_s": round(time.time() - t0, 3)})
+            # the first evaluation builds the prompts and makes (or reads back) the continuations
+            extra = {"continuations_s": round(t1 - t0, 3), "continuations_made": self.continuations_s is not None} \
+                if first else {}
+            self.out.record({**record, **extra, "eval_s": round(time.time() - t1, 3)})
             from longspec.dist import print0
 
-            print0(f"[{session.conf['stage']}] step {step}: simulated tau {tau:.3f} (alpha "
-                   + " ".join(f"{a:.2f}" for a in alpha) + ")" + (", best so far: best/" if best else ""))
+            print0(f"[{session.conf['stage']}] step {step}: tau {tau:.3f} (eval's chain, {len(self.prompts)} prompts; "
+                   + ", ".join(f"{b['length']}: {b['tau']:.2f}" for b in fig["by_length"]) + "; accepted at position "
+                   + " ".join(f"{a:.2f}" for a in fig["alpha"]) + ")" + (", best so far: best/" if best else ""))
         return True
 
-    def _save_best(self, session, step: int, tau: float, alpha: list[float]) -> None:
+    def _save_best(self, session, step: int, tau: float, fig: dict) -> None:
         """The draft into best/ (weights first, best.json last, both atomic). Collective under ZeRO-3."""
         from longspec.checkpoint import save_draft
         from longspec_cli.core.atomic import sha256_file
@@ -273,7 +257,7 @@ class SimTau:
         d = self.out.dir
         weights = save_draft(state, d / runfolder.BEST_DIR)
         atomic_write_json(d / runfolder.BEST_INFO, {
-            "stage": session.conf["stage"], "step": int(step), "tau": round(tau, 4),
-            "alpha": [round(a, 4) for a in alpha], "gamma": self.gamma,
+            "stage": session.conf["stage"], "step": int(step), "tau": tau, "alpha": fig["alpha"],
+            "by_length": fig["by_length"], "gamma": self.gamma,
             "weights": str(weights.relative_to(d)), "sha256": sha256_file(weights),
             "config_sha256": session.origin.config_sha256, "time": time.time()})

@@ -250,6 +250,9 @@ def _finish(tokens: list[int], max_new_tokens: int, eos) -> tuple[list[int], boo
     return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
 
 
+finish_tokens = _finish      # the stop rule, for longspec.chainwalk
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -316,5 +319,5 @@ def speculative_decode(model: nn.Module, proposer: Proposer, prompt: torch.Tenso
 
 __all__ = [
     "DecodeResult", "Proposer", "GlideProposer", "greedy_decode", "speculative_decode",
-    "new_cache", "cache_length", "crop_cache", "last_layer_kv", "target_logits",
+    "new_cache", "cache_length", "crop_cache", "last_layer_kv", "target_logits", "finish_tokens",
 ]

@@ -146,6 +146,7 @@ class Session:
         self.trackers = outputs.Trackers(conf, self.out.dir, enabled=self.rank == 0)
         if resume_from is not None:
             self._resume(resume_from)
+            self.simtau.after_resume(self.step)
         else:
             self.out.event("start", 0, total_steps=self.total, world_size=self.world,
                            config_sha256=self.origin.config_sha256, kernels=self.backends)
@@ -266,8 +267,8 @@ class Session:
         t_train, step0 = time.time(), self.step
         t_log, tokens_log = time.time(), 0.0
         engine.train()
-        if self.step == 0:
-            self.simtau.maybe(self)
+        if self.step == 0 or self.simtau.redo:
+            self.simtau.maybe(self, force=True)
         while self.step < self.total:
             sums = torch.zeros(4, dtype=torch.float64)       # loss, llm_loss, tokens, stop request
             for micro in range(ga):

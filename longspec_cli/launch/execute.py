@@ -305,8 +305,9 @@ def _outcome(spec: StageSpec, action: str, result: str, wall_s: float | None = N
         rates = [r for r in rates if r]
         out.tokens_per_s = sum(rates) / len(rates) if rates else None
         out.steps = steps[-1].get("step") if isinstance(steps[-1].get("step"), int) else None
-    sim = rd.last_simtau_record()             # the estimate while training, at the stage's last evaluation
+    sim = rd.last_simtau_record()             # eval's chain tau while training, at the stage's last evaluation
     out.sim_tau = as_float(sim.get("tau")) if sim else None
+    out.sim_cost = _sim_cost(rd) if sim else None
     if complete is not None:
         out.sha256 = complete.get("sha256")
         ev = eval_of(spec, out.sha256)
@@ -317,6 +318,16 @@ def _outcome(spec: StageSpec, action: str, result: str, wall_s: float | None = N
         if as_float(complete.get("final_loss")) is not None:
             out.last_loss = as_float(complete.get("final_loss"))
     return out
+
+
+def _sim_cost(rd: runfolder.RunDir) -> tuple | None:
+    """(seconds the trainer spent on tau while training, its wall seconds) from metrics.jsonl."""
+    log = rd.metrics()
+    ends = [e for e in log.events if e.get("event") == "end" and as_float(e.get("elapsed_s"))]
+    if not ends:
+        return None
+    spent = sum((as_float(r.get("eval_s")) or 0.0) + (as_float(r.get("continuations_s")) or 0.0) for r in log.simtau)
+    return spent, as_float(ends[-1]["elapsed_s"])
 
 
 def print_summary(outcomes: list[StageOutcome], console: Console) -> None:
@@ -334,6 +345,11 @@ def print_summary(outcomes: list[StageOutcome], console: Console) -> None:
             console.say(f"  {o.name}: " + "  ".join(
                 f"{r['label']} {r['tau']:.2f}" + (f" ({r['baseline_tau']:.2f})" if r["baseline_tau"] is not None else "")
                 for r in o.by_length))
+    costed = [o for o in outcomes if o.sim_cost]
+    if costed:
+        console.say("\nsim tau (eval's chain tau while training) cost: "
+                    + "  ".join(f"{o.name} {o.sim_cost[0]:.1f} s of {o.sim_cost[1]:.1f} s "
+                                f"({o.sim_cost[0] / o.sim_cost[1]:.1%})" for o in costed))
     for o in outcomes:
         if o.note:
             console.say(f"{o.name}: {o.note}")

@@ -61,6 +61,7 @@ class StageOutcome:
     wall_s: float | None = None
     sha256: str | None = None
     sim_tau: float | None = None  # the simulated tau of the stage's last evaluation while training
+    sim_cost: tuple | None = None  # (seconds in tau evaluations and continuations, the trainer's wall s)
     tau: float | None = None  # from eval.json, only when it was measured on this final draft
     speedup: float | None = None
     tree_tau: float | None = None  # the token tree's tau on the same prompts

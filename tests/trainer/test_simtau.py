@@ -1,12 +1,13 @@
-"""Simulated tau (longspec.simtau): the held-out choice, the sampler that never draws it, the
-chain formula, and the per-lag agreement counts on a real tiny GLIDE model (fast, no DeepSpeed)."""
+"""Tau while training (longspec.simtau, longspec.chainwalk): the held-out choice, the sampler that
+never draws it, the shared-lag draft forward, and the chain walk against eval's own greedy chain
+decoding on a real tiny GLIDE model (fast, no DeepSpeed)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from longspec import simtau
+from longspec import chainwalk, simtau
 from longspec.data import make_loader
 from tests.trainer.conftest import make_tiny_target
 
@@ -15,13 +16,6 @@ def flat(lengths: list[int]):
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     tokens = (np.arange(offsets[-1]) % 90 + 3).astype(np.uint16)
     return offsets, tokens
-
-
-def test_chain_tau_is_one_plus_the_sum_of_running_products():
-    assert simtau.chain_tau([]) == 1.0
-    assert simtau.chain_tau([1.0, 1.0, 1.0, 1.0]) == 5.0
-    assert simtau.chain_tau([0.0, 1.0]) == 1.0
-    assert simtau.chain_tau([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
 
 
 def test_heldout_is_the_tail_up_to_the_token_cap_and_at_most_half_the_records():
@@ -74,43 +68,6 @@ def tiny_glide(seed: int = 0):
     return build_glide(make_tiny_target("qwen2"), sliding_window=16, dtype=torch.float32).eval()
 
 
-def test_agreement_counts_do_not_depend_on_batching_or_padding():
-    model = tiny_glide()
-    g = torch.Generator().manual_seed(1)
-    rows = [torch.randint(3, 90, (n,), generator=g) for n in (40, 23, 31)]
-    one = [(r.unsqueeze(0), torch.tensor([len(r)])) for r in rows]
-    ids = torch.zeros(3, 40, dtype=torch.long)
-    for b, r in enumerate(rows):
-        ids[b, :len(r)] = r
-    padded = [(ids, torch.tensor([len(r) for r in rows]))]
-    a = simtau.agreement_counts(model, one, 4, torch.device("cpu"))
-    b = simtau.agreement_counts(model, padded, 4, torch.device("cpu"))
-    assert torch.equal(a, b)
-    assert a[1].tolist() == [float(sum(len(r) - 4 for r in rows))] * 4
-    # a stand-in row (counted length 0) runs the forwards but counts nothing
-    assert simtau.agreement_counts(model, [(ids, torch.zeros(3, dtype=torch.long))], 4,
-                                   torch.device("cpu")).sum() == 0
-
-
-def test_agreement_is_what_the_draft_and_target_predict_at_each_lag():
-    """alpha_k against a direct reading: the target's greedy token at t, and the draft's with the
-    cross-attention lagged by k (keys up to t - k), at the positions t >= gamma."""
-    model = tiny_glide(3)
-    ids = torch.randint(3, 90, (1, 30), generator=torch.Generator().manual_seed(5))
-    pos = torch.arange(30).unsqueeze(0)
-    counts = simtau.agreement_counts(model, [(ids, torch.tensor([30]))], 3, torch.device("cpu"))
-    with torch.no_grad():
-        logits = model.target.model(ids).logits[0]                      # (T, V): the HF model itself
-        want = logits.argmax(-1)[3:]
-        tgt = model.target(ids, pos)
-        hidden = model.target.embed(ids)
-        rope = model.target.rotary(pos, hidden)
-        for k in (1, 2, 3):
-            h = model.draft(hidden, pos, tgt.k, tgt.v, cross_lag=k, rope=rope)
-            got = model.target.lm_head(h)[0].argmax(-1)[3:]
-            assert counts[0, k - 1].item() == float((got == want).sum()) and counts[1, k - 1].item() == 27.0
-
-
 def test_the_shared_lag_forward_equals_one_draft_call_per_lag():
     model = tiny_glide(4)
     ids = torch.randint(3, 90, (2, 24), generator=torch.Generator().manual_seed(2))
@@ -121,7 +78,141 @@ def test_the_shared_lag_forward_equals_one_draft_call_per_lag():
         tgt = model.target(ids, pos, attention_mask=mask)
         hidden = model.target.embed(ids)
         rope = model.target.rotary(pos, hidden)
-        shared = simtau.draft_all_lags(model.draft, hidden, tgt.k, tgt.v, rope, mask, 3)
+        shared = chainwalk.draft_all_lags(model.draft, hidden, tgt.k, tgt.v, rope, mask, 3)
         for k, h in enumerate(shared, 1):
             one = model.draft(hidden, pos, tgt.k, tgt.v, cross_lag=k, rope=rope, attention_mask=mask)
             torch.testing.assert_close(h, one, rtol=1e-5, atol=1e-5)
+        # from a later position (the earlier ones only keys, the window reaching before it): the same rows
+        tail = chainwalk.draft_all_lags(model.draft, hidden, tgt.k, tgt.v, rope, mask, 3, start=9)
+        for h, t in zip(shared, tail):
+            torch.testing.assert_close(t, h[:, 9:], rtol=1e-5, atol=1e-5)
+
+
+def walk_draft():
+    """A tiny GLIDE whose draft agrees with the target often enough for blocks of every size."""
+    model = tiny_glide(0)
+    with torch.no_grad():
+        for name, p in model.draft.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.mul_(0.3)
+    return model
+
+
+def walk_prompts():
+    from longspec.prompts import Prompt
+
+    g = torch.Generator().manual_seed(1)
+    out = [Prompt(torch.randint(3, 90, (n,), generator=g).tolist(), f"r{i}", "document", max_new=m, stops=(30,))
+           for i, (n, m) in enumerate([(20, 24), (40, 24), (33, 16), (40, 24)])]   # two of one length: one batch
+    for p in out:
+        p.bucket = 32 if len(p.ids) <= 32 else 64
+    return out
+
+
+def chain_walk_tau(model, prompts, gamma=4, batch=2):
+    from longspec import chainwalk
+
+    cpu = torch.device("cpu")
+    toks = chainwalk.generate(model.target.model, prompts, gamma, cpu)
+    conts = {i: chainwalk.Continuation(toks[i], chainwalk.stop_end(toks[i], p.max_new, p.stops))
+             for i, p in enumerate(prompts)}
+    counts = chainwalk.chain_counts(model, prompts, conts, [32, 64], gamma, cpu, batch=batch)
+    return chainwalk.figures(counts, [32, 64], prompts, gamma), conts
+
+
+def test_the_chain_walk_is_evals_greedy_chain_tau():
+    """The walk over the target's greedy continuation and the draft's teacher-forced lags gives,
+    block for block, what eval's greedy chain decoding (evalmeasure.decoder) gives on the same
+    prompts; and it fails to when the stop rule, the limit or the prompts drift apart."""
+    from longspec.evalmeasure import decoder
+
+    model, prompts = walk_draft(), walk_prompts()
+    fig, conts = chain_walk_tau(model, prompts)
+    chain = decoder(model.target.model, model.target, method="chain", gamma=4, tree_shape=None, temperature=0)
+    tok = blocks = 0
+    by = {32: [0, 0], 64: [0, 0]}
+    for i, p in enumerate(prompts):
+        r = chain(model.draft, torch.tensor([p.ids]), None, p.max_new, p.stops)
+        assert r.tokens == conts[i].tokens[:conts[i].end]          # the continuation is eval's greedy output
+        tok, blocks = tok + sum(r.accepted), blocks + len(r.accepted)
+        by[p.bucket][0] += sum(r.accepted)
+        by[p.bucket][1] += len(r.accepted)
+    assert 1.1 < fig["tau"] < 4 and fig["blocks"] == blocks         # a draft that both accepts and misses
+    assert fig["tau"] == round(tok / blocks, 4)
+    assert [b["tau"] for b in fig["by_length"]] == [round(by[n][0] / by[n][1], 4) for n in (32, 64)]
+    assert fig["alpha"][0] > 0
+    assert any(conts[i].end < p.max_new for i, p in enumerate(prompts))   # a stop token ended one of them
+    # drift: another stop rule, another limit, other prompts each give another figure
+    for change in ({"stops": ()}, {"max_new": 12}):
+        other = walk_prompts()
+        for p in other:
+            for k, v in change.items():
+                setattr(p, k, v)
+        assert chain_walk_tau(model, other)[0]["tau"] != fig["tau"], change
+    assert chain_walk_tau(model, walk_prompts()[:3])[0]["tau"] != fig["tau"]
+    # batching and stand-in rows change nothing: nor does decoding one prompt per batch, unpadded
+    assert chain_walk_tau(model, prompts, batch=3)[0] == fig
+    # the target's outputs kept between evaluations: a changed draft counts as without them
+    cpu, memo = torch.device("cpu"), {}
+    chainwalk.chain_counts(model, prompts, conts, [32, 64], 4, cpu, batch=2, memo=memo)
+    assert memo["keep"] and sorted(k for k in memo if k != "keep") == [0, 2]
+    with torch.no_grad():
+        model.draft.mlp.down_proj.weight.mul_(2.0)
+    fresh = chainwalk.chain_counts(model, prompts, conts, [32, 64], 4, cpu, batch=2)
+    assert torch.equal(chainwalk.chain_counts(model, prompts, conts, [32, 64], 4, cpu, batch=2, memo=memo), fresh)
+    assert not torch.equal(fresh, chainwalk.chain_counts(walk_draft(), prompts, conts, [32, 64], 4, cpu, batch=2))
+    alone = chainwalk.generate(model.target.model, prompts, 4, torch.device("cpu"), tokens=1)
+    assert [alone[i] for i in range(4)] == [conts[i].tokens for i in range(4)]
+    assert chainwalk.decode_batches([0, 1, 2, 3], prompts, 28, 64, 3 * (40 + 28)) == [[1, 3, 2], [0]]
+
+
+def test_the_walk_counts_blocks_as_chain_decoding_does():
+    from longspec.chainwalk import walk
+
+    cont = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    # every proposal right (guess[j-1][m-1] = cont[m]): 2 + 1 tokens per block until 8 tokens are kept
+    assert walk(cont, 8, [[cont[m] for m in range(1, 10)]] * 2, 2) == ([3, 3, 3], [3, 3], [3, 3])
+    never = [[0] * 9] * 2
+    assert walk(cont, 5, never, 2) == ([1, 1, 1, 1], [4, 0], [0, 0])
+    assert walk(cont, 1, never, 2) == ([], [0, 0], [0, 0])          # the prefill's token was the last
+
+
+class _Prepared:
+    def __init__(self, lengths):
+        self.offsets, self.tokens = flat(lengths)
+
+
+def test_a_resume_from_before_the_best_step_drops_that_best_draft(tmp_path):
+    """best/ written at step 60, the process killed before checkpoint-60: the resume from
+    checkpoint-50 rolls step 60 back, so its best draft goes and the resumed draft is measured."""
+    import torch.distributed as dist
+
+    from longspec.checkpoint import save_draft
+    from longspec.outputs import RunWriter
+    from longspec_cli.core import runfolder
+    from longspec_cli.core.atomic import atomic_write_json, sha256_file
+
+    run = tmp_path / "run"
+    conf = {"eval_steps": 10, "eval_gamma": 4, "per_gpu_train_batch_size": 2, "eval_tokens": 300}
+    data = _Prepared([100] * 20)
+    fresh = simtau.SimTau(conf, data, RunWriter(run), 0, 1, resumed=False)
+    run.mkdir()
+    fresh.commit()                                    # heldout.json
+
+    def best_at(step: int) -> None:
+        w = save_draft({"w": torch.ones(2)}, run / runfolder.BEST_DIR)
+        atomic_write_json(run / runfolder.BEST_INFO, {"step": step, "tau": 2.5, "weights": str(w.relative_to(run)),
+                                                      "sha256": sha256_file(w)})
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        best_at(60)
+        resumed = simtau.SimTau(conf, data, RunWriter(run), 0, 1, resumed=True)
+        assert resumed.best_tau == 2.5
+        resumed.after_resume(60)                      # the checkpoint of the best step: kept
+        assert runfolder.RunDir(run).best()["step"] == 60 and not resumed.redo
+        resumed.after_resume(50)
+        assert runfolder.RunDir(run).best() is None and not (run / runfolder.BEST_DIR).exists()
+        assert resumed.best_tau == -float("inf") and resumed.redo
+    finally:
+        dist.destroy_process_group()

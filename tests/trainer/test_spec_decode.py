@@ -268,6 +268,16 @@ def test_stage_prompts_are_held_out_records_cut_at_each_length(tmp_path):
     prompts, _ = stage_prompts(path, tok, conf, 5, lengths=[8, 16], per_length={8: 2, 16: 2})
     assert sorted(len(p.ids) for p in prompts) == [8, 8, 16, 16]      # a document gives a prefix per length
 
+    # every document (25 tokens) shorter than the smallest length: each measured whole, and said so
+    prompts, info = stage_prompts(path, tok, conf, 5, lengths=[1024, 2048], per_length={1024: 3, 2048: 3})
+    assert [len(p.ids) for p in prompts] == [25] * 3 and "at most 1024 tokens" in info["short_documents"]
+    from longspec.prompts import PromptError
+
+    (tmp_path / "tiny.jsonl").write_text(json.dumps({"text": "r1 the"}) + "\n")      # shorter than any prompt
+    with pytest.raises(PromptError) as e:
+        stage_prompts(tmp_path / "tiny.jsonl", tok, conf, 0, lengths=[1024], per_length={1024: 3})
+    assert "--lengths" in e.value.hint and "1024" in e.value.message
+
 
 def test_evaluate_refuses_a_run_without_finished_draft(tmp_path, capsys):
     from longspec.evaluate import main
