@@ -27,7 +27,7 @@ cluster:
 	sh tests/cluster/install.sh
 
 test: $(STAMP) cluster
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"

@@ -2,8 +2,9 @@
 
 One 2-node job (world size 2, one CPU rank per node) of the tiny preset's three stages lives
 through every fault, one per run of the job:
-  run 1  the time limit (--time 1, SIGUSR1 30 s ahead to the batch script): base saves at its
-         step, the job requeues itself;
+  run 1  the time limit (--time 1, SIGUSR1 30 s ahead to the batch script): base, set to train
+         without end, saves at its step, the job requeues itself; held in the queue, status says
+         requeued, and base is given an end a few steps on (resume_schedule=stretch);
   run 2  base resumes at that step (0 steps lost) and finishes; SIGUSR1 to the batch script
          between stages (as SLURM's B: warning): the job requeues itself before long starts;
   run 3  long starts; `scancel --signal=TERM JOB` mid-stage: long saves at its step, requeue;
@@ -29,6 +30,7 @@ from longspec_cli.core import runfolder, runrecord
 ROOT = Path(__file__).resolve().parents[2]
 LONGSPEC = [sys.executable, "-m", "longspec_cli"]
 STEPS = {"base": 12, "long": 8, "longcot": 3}
+UNENDING = 10 ** 6  # base's steps until the time limit's warning has reached it (then STEPS' plus its step)
 
 
 def cli(*args: str, env: dict, timeout: float = 300):
@@ -97,8 +99,9 @@ def test_a_two_node_cpu_job_survives_the_time_limit_a_signal_between_stages_and_
     assert res.returncode == 0, res.stdout + res.stderr
     for stage, steps in STEPS.items():  # no periodic save: every checkpoint here is a stop's
         path = proj / "conf" / "exp" / f"{stage}.yaml"
+        steps = UNENDING if stage == "base" else steps  # still training when the warning comes, however fast
         text = re.sub(r"(?m)^max_steps: \d+", f"max_steps: {steps}", path.read_text())
-        path.write_text(re.sub(r"(?m)^save_steps: \d+", "save_steps: 1000", text))
+        path.write_text(re.sub(r"(?m)^save_steps: \d+", f"save_steps: {UNENDING}", text))
     slurm = ["run", str(proj), "--all", "--slurm", "--gpus", "0", "--num-nodes", "2", "--time", "1",
              "--signal-lead", "30"]
 
@@ -133,17 +136,22 @@ def test_a_two_node_cpu_job_survives_the_time_limit_a_signal_between_stages_and_
     # Run 1: the time limit's warning; base saves at its step; the job requeues itself.
     rec = wait(lambda: (r := slurm_cluster.job(job)) and int(r.get("Restarts", 0)) >= 1 and r, 240,
                "the first requeue (time limit)", slurm_cluster, job)
+    slurm_cluster.wait_job_state(job, "PENDING", timeout=60)
+    slurm_cluster.run(["scontrol", "hold", job])  # while base's length is set: STEPS' more after its step
     slurm_cluster.run(["scontrol", "update", f"JobId={job}", "TimeLimit=20"])  # the rest runs unhurried
-    # In the requeue hold, status says requeued, with the job and the step it resumes from.
-    before = slurm_cluster.job_state(job)
+    # Held in the queue after the requeue: status says requeued, with the job and the step it resumes from.
     st = status(proj, env)["base"]
-    if before == "PENDING" and slurm_cluster.job_state(job) == "PENDING":
-        assert st["state"] == "requeued" and st["job_id"] == job, st
-        assert st["next_action"] == f"wait (SLURM job {job} resumes it from step {st['resume_step']})", st
-        print(f"\nstatus during the requeue: base {st['state']}, {st['next_action']}")
+    assert st["state"] == "requeued" and st["job_id"] == job, st
+    assert st["next_action"] == f"wait (SLURM job {job} resumes it from step {st['resume_step']})", st
+    print(f"\nstatus during the requeue: base {st['state']}, {st['next_action']}")
     first = events(base, "preempted")
     assert len(first) == 1 and first[0]["signal"] == "SIGUSR1", log.read_text()[-3000:]
     s1 = first[0]["step"]
+    steps = {**STEPS, "base": s1 + STEPS["base"]}  # base resumes at s1 on the new length (stretch)
+    cfg = proj / "conf" / "exp" / "base.yaml"
+    cfg.write_text(re.sub(r"(?m)^max_steps: \d+", f"max_steps: {steps['base']}", cfg.read_text())
+                   + "resume_schedule: stretch\n")
+    slurm_cluster.run(["scontrol", "release", job])
     assert [c.step for c in runfolder.RunDir(base).checkpoints()] == [s1] and max(step_records(base)) == s1
     text = log.read_text()
     assert "SIGUSR1 reached the batch script" in text and f"stage base saved a checkpoint" in text
@@ -177,7 +185,7 @@ def test_a_two_node_cpu_job_survives_the_time_limit_a_signal_between_stages_and_
     wall = time.monotonic() - t0
     assert slurm_cluster.hostnames(done["NodeList"]) == ["node1", "node2"] and done["Restarts"] == "3"
     assert events(long_, "resume")[0]["step"] == s3
-    for out, steps in zip((base, long_, longcot), STEPS.values()):
+    for out, steps in zip((base, long_, longcot), steps.values()):
         assert (out / "stage_complete.json").is_file()
         assert events(out, "start")[0]["world_size"] == 2
         got = step_records(out)
