@@ -40,3 +40,19 @@ def test_a_jobs_record_follows_the_scheduler_through_run_requeue_and_cancel(slur
     assert runrecord.owner(runrecord.read(out)).state is None
     assert scheduler.job("999999") is None  # a job SLURM does not know is no job, not an error
     assert json.loads((out / "run.json").read_text())["overrides"] == ["max_steps=3"]
+
+
+def test_a_jobs_record_where_slurm_cannot_be_asked(tmp_path, monkeypatch):
+    """No scontrol here (a laptop holding a synced run folder): a running job's stage cannot be
+    judged (unknown, so `status` keeps it running and says why); a finished or stopped stage is
+    judged by its folder, without asking."""
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    out = tmp_path / "runs" / "base"
+    runrecord.slurm_submitted(out, "base", "42", nodes=2, ranks_per_node=8, overrides=[], script="x.sbatch")
+    info = runrecord.slurm_stage_begins(out, "base", {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "gpu[1-2]"})
+    own = runrecord.owner(info)
+    assert (own.state, own.job_id) == ("unknown", "42") and "SLURM cannot be asked" in own.detail
+    assert runrecord.owner(runrecord.slurm_stage_ends(out, 0)).state is None
+    assert runrecord.owner(runrecord.slurm_stage_ends(out, 5)).state is None
+    with pytest.raises(scheduler.SchedulerUnavailable):
+        scheduler.job("42")
