@@ -17,7 +17,6 @@ The figures (seconds from the warning to the requeue and to the resume, steps lo
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import time
