@@ -8,7 +8,6 @@ tests/cluster/test_slurm_run.py.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -16,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from longspec_cli.core import runrecord
 from longspec_cli.launch import slurm as S

@@ -133,8 +133,8 @@ def test_a_two_node_cpu_job_survives_the_time_limit_a_signal_between_stages_and_
     t0 = time.monotonic()
 
     # Run 1: the time limit's warning; base saves at its step; the job requeues itself.
-    rec = wait(lambda: (r := slurm_cluster.job(job)) and int(r.get("Restarts", 0)) >= 1 and r, 240,
-               "the first requeue (time limit)", slurm_cluster, job)
+    wait(lambda: (r := slurm_cluster.job(job)) and int(r.get("Restarts", 0)) >= 1 and r, 240,
+         "the first requeue (time limit)", slurm_cluster, job)
     slurm_cluster.wait_job_state(job, "PENDING", timeout=60)
     slurm_cluster.run(["scontrol", "hold", job])  # while base's length is set: STEPS' more after its step
     slurm_cluster.run(["scontrol", "update", f"JobId={job}", "TimeLimit=20"])  # the rest runs unhurried
@@ -153,7 +153,7 @@ def test_a_two_node_cpu_job_survives_the_time_limit_a_signal_between_stages_and_
     slurm_cluster.run(["scontrol", "release", job])
     assert [c.step for c in runfolder.RunDir(base).checkpoints()] == [s1] and max(step_records(base)) == s1
     text = log.read_text()
-    assert "SIGUSR1 reached the batch script" in text and f"stage base saved a checkpoint" in text
+    assert "SIGUSR1 reached the batch script" in text and "stage base saved a checkpoint" in text
 
     # Run 2: base resumes at s1; SIGUSR1 to the batch script alone once base has ended.
     wait(lambda: (r := runrecord.read(base)) and r.get("phase") == "ended" and r.get("returncode") == 0, 300,
