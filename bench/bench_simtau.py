@@ -121,14 +121,18 @@ def agreement(d: Path) -> None:
 def cost(d: Path) -> None:
     from longspec_cli.core import runfolder
 
-    print("cost (metrics.jsonl: evaluations + continuations over the trainer's wall time, `end` event):")
+    print("cost (metrics.jsonl: evaluations + continuations; over the stage's wall time, run.json's start to end, "
+          "and over the trainer's, the `end` event's elapsed_s):")
     for stage in STAGES:
-        log = runfolder.read_metrics(d / "runs" / stage / runfolder.METRICS)
-        wall = float([e for e in log.events if e.get("event") == "end"][-1]["elapsed_s"])
+        run = d / "runs" / stage
+        log = runfolder.read_metrics(run / runfolder.METRICS)
+        info = json.loads((run / "run.json").read_text())
+        wall = float(info["ended_unix"]) - float(info["started_unix"])
+        loop = float([e for e in log.events if e.get("event") == "end"][-1]["elapsed_s"])
         ev = sum(float(r.get("eval_s", 0)) for r in log.simtau)
         co = sum(float(r.get("continuations_s", 0)) for r in log.simtau)
-        print(f"  {stage:8} {len(log.simtau)} evaluations {ev:6.1f} s + continuations {co:5.1f} s of {wall:6.1f} s: "
-              f"{(ev + co) / wall:.1%}")
+        print(f"  {stage:8} {len(log.simtau)} evaluations {ev:5.2f} s + continuations {co:5.2f} s: "
+              f"{(ev + co) / wall:.1%} of the stage's {wall:5.1f} s, {(ev + co) / loop:.1%} of the trainer's {loop:5.1f} s")
 
 
 def estimate(a) -> None:
@@ -153,6 +157,15 @@ def estimate(a) -> None:
     batches = max(len(p) for p in plans)
     padded = max(sum(len(b) * len(fake[b[0]].ids) for b in p) for p in plans) * a.gpus   # prefill positions
     cont_s = batches * new * gather_s + (padded + prompts * new) * flops / compute
+    # a whole copy of the target (longspec.zero.whole_copy) when it fits: gathered once, then each decode
+    # forward reads the weights from the GPU's own memory
+    from longspec.zero import WHOLE_SHARE
+
+    free = a.gpu_mem * 2**30 - 2 * a.params / a.gpus - 8 * 2**30       # its shard, the draft's states, a reserve
+    whole = 2 * a.params <= WHOLE_SHARE * free
+    cont_whole_s = gather_s + batches * new * 2 * a.params / (a.hbm_gbs * 1e9) + (padded + prompts * new) * flops / compute
+    if whole:
+        cont_per_layer_s, cont_s = cont_s, cont_whole_s
     # one evaluation: teacher-forced forward over prompt + continuation, micro-batches of one row
     ev_tokens = prompt_tokens + prompts * new
     ev_s = ev_tokens * flops / compute + math.ceil(prompts / a.gpus) * gather_s
@@ -170,8 +183,16 @@ def estimate(a) -> None:
     print(f"estimate, a {a.seq // 1024}k stage of a {a.params / 1e9:.1f}B target on {a.gpus} GPUs (ZeRO-3, "
           f"{a.tflops:.0f} TFLOP/s each, weights gathered at {a.gather_gbs:.0f} GB/s): {prompts} prompts "
           f"({', '.join(f'{n // 1024}k: {k}' for n, k in per.items())}), {new} tokens each")
-    print(f"  continuations once: {cont_s / 60:.1f} min ({batches} decode batches per rank x {new} forwards x "
-          f"{gather_s:.2f} s gathering); first evaluation: {ev_s:.1f} s ({ev_tokens / 1e3:.0f}k tokens forward)")
+    if whole:
+        print(f"  continuations once: {cont_s / 60:.1f} min on a whole copy of the target ({2 * a.params / 2**30:.0f} GiB "
+              f"fits in {WHOLE_SHARE:.0%} of {free / 2**30:.0f} GiB free of {a.gpu_mem:.0f} GiB; gathered once, then "
+              f"{batches} decode batches per rank x {new} forwards reading it at {a.hbm_gbs:.0f} GB/s); "
+              f"gathered layer by layer it would take {cont_per_layer_s / 60:.1f} min")
+    else:
+        print(f"  continuations once: {cont_s / 60:.1f} min ({batches} decode batches per rank x {new} forwards x "
+              f"{gather_s:.2f} s gathering: a whole copy, {2 * a.params / 2**30:.0f} GiB, needs more than "
+              f"{WHOLE_SHARE:.0%} of the {free / 2**30:.0f} GiB free of {a.gpu_mem:.0f} GiB)")
+    print(f"  first evaluation: {ev_s:.1f} s ({ev_tokens / 1e3:.0f}k tokens forward)")
     print(f"  the target's outputs of a rank's share: {kept / 2**30:.2f} GiB (kept between evaluations up to "
           f"{FROZEN_BYTES / 2**30:.1f} GiB): later evaluations {later_s:.1f} s each")
     print(f"  a training step ~{step_s:.1f} s; {a.steps} steps with eval_steps={a.eval_steps}: {evals} evaluations "
@@ -188,6 +209,8 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--tflops", type=float, default=400.0, help="achieved bf16 TFLOP/s per GPU")
     ap.add_argument("--gather-gbs", type=float, default=150.0, help="ZeRO-3 all-gather bandwidth per rank, GB/s")
+    ap.add_argument("--gpu-mem", type=float, default=141.0, help="GiB per GPU (H200: 141, H100: 80)")
+    ap.add_argument("--hbm-gbs", type=float, default=4800.0, help="GPU memory bandwidth, GB/s (H200: 4800)")
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--eval-steps", type=int, default=100)
     ap.add_argument("--gamma", type=int, default=4)

@@ -116,6 +116,95 @@ def _table_records(src, skipped, opened):
         raise DataError(f"{src.spec}: no usable records (no rows)")
 
 
+TAIL_WHOLE = 64 << 20       # tail_records reads a JSON file of up to this many bytes whole
+COUNT_CHUNK = 16 << 20      # bytes a line count reads at a time
+
+
+def tail_records(path, k: int, on_bad_record: str = "error", records: int | None = None
+                 ) -> tuple[int, list[tuple[int, Any, dict]]]:
+    """(how many records a train_file holds, its last ``k`` as (index, where, record) in order),
+    without parsing the rest: parquet and arrow through their footers and last row groups
+    (core.datafiles.tail_rows); a JSONL file read backwards from its end when ``records`` (its
+    record count, as heldout.json gives it: the prepared data's) is known, the lines before
+    counted only for the line numbers. A JSON array, a small file or an unknown count: read_records
+    over the whole file. The same records, `where`s and errors as read_records' last ``k``."""
+    from collections import deque
+
+    try:
+        src = datafiles.resolve(path)
+    except datafiles.SourceError as e:
+        raise DataError(e.message) from None
+    if src.table:
+        try:
+            total, rows = datafiles.tail_rows(src, k)
+        except datafiles.SourceError as e:
+            raise DataError(e.message) from None
+        if total == 0:
+            raise DataError(f"{src.spec}: no usable records (no rows)")
+        return total, rows
+    f = src.files[0]
+    try:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            array = fh.read(4096).lstrip().lstrip(b"\xef\xbb\xbf").lstrip().startswith(b"[")
+    except OSError as e:
+        raise DataError(f"{f}: cannot read ({e.strerror or e})") from None
+    if records is None or array or size <= TAIL_WHOLE:
+        tail: deque = deque(maxlen=k)
+        count = 0
+        for at, rec in read_records(f, on_bad_record):
+            tail.append((count, at, rec))
+            count += 1
+        return count, list(tail)
+    try:
+        return records, _jsonl_tail(f, size, k, on_bad_record, records)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{f}: not UTF-8 text ({e.reason})") from None
+    except OSError as e:
+        raise DataError(f"{f}: cannot read ({e.strerror or e})") from None
+
+
+def _jsonl_tail(f: Path, size: int, k: int, on_bad_record: str, records: int) -> list[tuple[int, int, dict]]:
+    with open(f, "rb") as fh:
+        pos, buf, step = size, b"", 1 << 20
+        while pos > 0:
+            step = min(step * 2, pos)
+            pos -= step
+            fh.seek(pos)
+            buf = fh.read(step) + buf
+            lines = buf.split(b"\n")
+            if sum(1 for ln in lines[1:] if ln.strip()) >= k:    # lines[0] may have begun before pos
+                break
+        cut = buf.index(b"\n") + 1 if pos > 0 else 0
+        first_line = 1
+        fh.seek(0)
+        left = pos + cut
+        while left > 0:                                        # line numbers: newlines before the tail
+            chunk = fh.read(min(COUNT_CHUNK, left))
+            if not chunk:
+                break
+            first_line += chunk.count(b"\n")
+            left -= len(chunk)
+    found: list[tuple[int, dict]] = []
+    for j, raw in enumerate(buf[cut:].split(b"\n")):
+        text = raw.decode("utf-8-sig" if pos + cut == 0 and j == 0 else "utf-8")
+        if not text.strip():
+            continue
+        line = first_line + j
+        try:
+            obj = json.loads(text)
+            err = None if isinstance(obj, dict) else f"record is a JSON {type(obj).__name__}, not an object"
+        except json.JSONDecodeError as e:
+            obj, err = None, f"invalid JSON ({e.msg}, column {e.colno})"
+        if err is not None:
+            if on_bad_record == "error":
+                raise DataError(f"{f}:{line}: {err}")
+            continue
+        found.append((line, obj))
+    found = found[-k:]
+    return [(records - len(found) + i, line, obj) for i, (line, obj) in enumerate(found)]
+
+
 def where(path, at) -> str:
     """The text naming a record read_records gave: `FILE:LINE` or `SHARD:row N`."""
     return str(at) if isinstance(at, datafiles.RowAt) else f"{path}:{at}"
@@ -422,12 +511,16 @@ class ShardedBatchSampler(Sampler):
             raise ValueError(f"skip_batches must be >= 0, not {skip_batches}")
         self.epoch, self.skip_batches = epoch, skip_batches
 
+    @staticmethod
+    def epoch_order(n: int, seed: int, epoch: int, world_size: int) -> list[int]:
+        """Every rank's indices of one epoch, interleaved: rank r's are order[r::world_size]."""
+        order = list(range(n))
+        random.Random(f"longspec-data-{seed}-{epoch}").shuffle(order)
+        total = math.ceil(n / world_size) * world_size
+        return order + order[:total - n]
+
     def epoch_indices(self, epoch: int) -> list[int]:
-        order = list(range(self.n))
-        random.Random(f"longspec-data-{self.seed}-{epoch}").shuffle(order)
-        total = math.ceil(self.n / self.world_size) * self.world_size
-        order = [order[i % self.n] for i in range(total)]
-        return order[self.rank::self.world_size]
+        return self.epoch_order(self.n, self.seed, epoch, self.world_size)[self.rank::self.world_size]
 
     def __len__(self) -> int:
         return math.ceil(math.ceil(self.n / self.world_size) / self.batch_size)

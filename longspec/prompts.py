@@ -19,6 +19,7 @@ new-token limit (DEFAULT_NEW_TOKENS, or --max-new-tokens).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,36 +212,43 @@ def trained_indices(n: int, conf: dict, steps: int | None) -> set[int] | None:
     if held is not None and isinstance(held.get("start"), int) and 0 < held["start"] <= n:
         n = held["start"]                     # the sampler deals only the records before the held-out ones
     seen: set[int] = set()
-    for rank in range(world):
-        sampler = ShardedBatchSampler(n, batch, seed, rank, world)
-        left, epoch = steps * accum, 0                    # micro-batches this rank took
-        while left > 0 and len(seen) < n:
-            mine = sampler.epoch_indices(epoch)
-            for start in range(0, len(mine), batch):
-                if left == 0:
-                    break
-                seen.update(mine[start:start + batch])
-                left -= 1
-            epoch += 1
+    left, epoch = steps * accum, 0                        # micro-batches each rank took
+    while left > 0 and len(seen) < n:
+        order = ShardedBatchSampler.epoch_order(n, seed, epoch, world)    # one shuffle for every rank
+        take = min(left, math.ceil(len(order) // world / batch))
+        for rank in range(world):
+            seen.update(order[rank::world][:take * batch])
+        left -= take
+        epoch += 1
     return seen
+
+
+def records_of(conf: dict) -> int | None:
+    """The stage's record count as its run's heldout.json gives it (longspec.simtau: the held-out
+    records are the last ones of the prepared data), None without one."""
+    from longspec_cli.core import runfolder
+
+    out = conf_get(conf, "output_dir")
+    held, _ = runfolder.read_json(Path(out) / runfolder.HELDOUT) if out else (None, None)
+    if not isinstance(held, dict):
+        return None
+    start, n = held.get("start"), held.get("records")
+    return start + n if isinstance(start, int) and isinstance(n, int) and start > 0 and n > 0 else None
 
 
 def stage_prompts(path: Path, tokenizer, conf: dict, steps: int | None, *, lengths: list[int],
                   per_length: dict[int, int]) -> tuple[list[Prompt], dict]:
     """Prompts from the newest records of the stage's data its run never drew (then drawn ones
-    when too few are left), until every length bucket holds its share (per_length)."""
-    from collections import deque
+    when too few are left), until every length bucket holds its share (per_length). Only the last
+    records are read (longspec.data.tail_records), so this costs the same at any data size."""
+    from longspec.data import DataError, tail_records, where_short
 
-    from longspec.data import DataError, read_records, where_short
-
-    tail: deque = deque(maxlen=max(256, 16 * sum(per_length.values())))
-    count = 0
+    want = max(256, 16 * sum(per_length.values()))
     try:
-        for line, rec in read_records(path, conf_get(conf, "data.on_bad_record", "error")):
-            tail.append((count, where_short(path, line), rec))
-            count += 1
+        count, last = tail_records(path, want, conf_get(conf, "data.on_bad_record", "error"), records_of(conf))
     except (DataError, OSError) as e:
         raise PromptError(f"{path}: {e}", 3 if not isinstance(e, FileNotFoundError) else 2) from None
+    tail = [(i, where_short(path, at), rec) for i, at, rec in last]
     seen = trained_indices(count, conf, steps)
     stops = end_of_turn_ids(tokenizer)
     prompts, fresh = _pick(tail, seen, path, tokenizer, lengths, per_length, stops, False)

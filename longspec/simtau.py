@@ -29,6 +29,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from longspec_cli.core import runfolder
@@ -125,6 +126,8 @@ class SimTau:
         self.frozen: dict = {}                       # the target's outputs of the held-out rows (chainwalk.chain_counts)
         self.continuations_s: float | None = None    # generating them, in this process (None: reused or not yet)
         self.redo = False                            # a dropped best: measure the resumed draft at once
+        self.target_copy = None                      # a whole copy of the frozen target until the first evaluation
+        self.copy_draft = False                      # evaluate a whole copy of the draft (ZeRO-3, when it fits)
 
     @property
     def enabled(self) -> bool:
@@ -165,37 +168,66 @@ class SimTau:
                    "dropped, the resumed draft is measured now")
         self.best_tau, self.redo = -math.inf, self.enabled
 
-    def _prepare(self, session) -> None:
-        """eval's default prompts for this run, and the target's greedy continuations (read back
-        when continuations.json was made from the same digest, else made now, once)."""
+    def _prompts(self, session) -> tuple[list | None, list[int], str | None, str | None]:
+        """(eval's default prompts for this run, their lengths, the target's path, why there are
+        none): rank 0 builds them from the resolved config `eval` reads and the stage's last
+        records (longspec.prompts: a cost that does not grow with the data), every rank gets them."""
         import torch
 
-        from longspec import chainwalk, prompts as P
+        from longspec import prompts as P
         from longspec.evaluate import EvalError, read_run
 
-        torch.distributed.barrier()                   # training_config.yaml and heldout.json are written
-        try:
-            conf, _ = read_run(self.out.dir)         # the resolved config `eval` reads
-            self.prompts, _, self.lengths = P.default_prompts(
-                Path(conf["train_file"]), session.pre.tokenizer, conf, session.total)
-        except (EvalError, P.PromptError) as e:
+        got: list = [None]
+        if self.rank == 0:                          # training_config.yaml and heldout.json are written
+            try:
+                conf, _ = read_run(self.out.dir)
+                prompts, _, lengths = P.default_prompts(
+                    Path(conf["train_file"]), session.pre.tokenizer, conf, session.total)
+                got = [(prompts, lengths, str(conf["model_name_or_path"]), None)]
+            except (EvalError, P.PromptError) as e:
+                got = [(None, [], None, e.message)]
+        torch.distributed.broadcast_object_list(got, src=0)
+        return got[0]
+
+    def _prepare(self, session) -> None:
+        """eval's default prompts for this run, and the target's greedy continuations (read back
+        when continuations.json was made from the same digest, else made now, once). Under ZeRO-3,
+        whole copies of the frozen target (for the continuations and the first evaluation) and of
+        the draft (each evaluation) are used when they fit (longspec.zero.whole_copy)."""
+        import torch
+
+        from longspec import chainwalk
+        from longspec.zero import fits_whole, partitioned
+
+        prompts, self.lengths, target, why = self._prompts(session)
+        if prompts is None:
             self.prompts, self.every = [], 0
             from longspec.dist import print0
 
-            print0(f"[{session.conf['stage']}] note: no tau while training: {e.message}")
+            print0(f"[{session.conf['stage']}] note: no tau while training: {why}")
             return
+        self.prompts = prompts
+        module, device = session.engine.module, session.engine.device
         path = self.out.dir / runfolder.CONTINUATIONS
-        digest = chainwalk.continuation_digest(Path(conf["model_name_or_path"]), self.prompts)
+        digest = chainwalk.continuation_digest(Path(target), self.prompts)
         conts = chainwalk.read(path, digest, self.prompts, self.gamma)
-        have = torch.tensor([0 if conts is None else 1])
-        torch.distributed.all_reduce(have, op=torch.distributed.ReduceOp.MIN)
-        if have.item():
+        flags = torch.tensor([0 if conts is None else 1,
+                              int(partitioned(module.target) and fits_whole([module.target, module.draft], device)),
+                              int(partitioned(module.draft) and fits_whole([module.draft], device))])
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN)   # every rank alike
+        have, copy_target, self.copy_draft = (bool(f) for f in flags.tolist())
+        if have:
             self.conts = conts
             return
         t0 = time.time()
-        engine = session.engine
-        mine = chainwalk.generate(engine.module.target.model, self.prompts, self.gamma, engine.device,
-                                  self.rank, self.world)
+        hf = module.target.model
+        if copy_target:
+            from longspec.target import TargetWrapper
+            from longspec.zero import whole_copy
+
+            self.target_copy = TargetWrapper(whole_copy(hf, lambda: type(hf)(hf.config), device))
+            hf = self.target_copy.model
+        mine = chainwalk.generate(hf, self.prompts, self.gamma, device, self.rank, self.world)
         shares: list = [None] * self.world
         torch.distributed.all_gather_object(shares, mine)
         toks = {i: t for share in shares for i, t in share.items()}
@@ -204,6 +236,18 @@ class SimTau:
         self.continuations_s = time.time() - t0
         if self.rank == 0:
             chainwalk.write(path, digest, self.gamma, self.prompts, self.conts, self.continuations_s)
+
+    def _parts(self, session) -> SimpleNamespace:
+        """The target and draft one evaluation runs: the whole copies where _prepare chose them."""
+        module = session.engine.module
+        target = self.target_copy or module.target
+        self.target_copy = None                      # the first evaluation is its last use: freed after it
+        draft = module.draft
+        if self.copy_draft:
+            from longspec.zero import whole_copy
+
+            draft = whole_copy(draft, lambda: type(draft)(draft.config), session.engine.device)
+        return SimpleNamespace(target=target, draft=draft)
 
     def maybe(self, session, force: bool = False) -> bool:
         """Evaluate when the step is due (every rank calls it at the same steps). True when it ran."""
@@ -219,7 +263,7 @@ class SimTau:
             if not self.enabled:
                 return False
         t1 = time.time()
-        counts = chainwalk.chain_counts(session.engine.module, self.prompts, self.conts, self.lengths, self.gamma,
+        counts = chainwalk.chain_counts(self._parts(session), self.prompts, self.conts, self.lengths, self.gamma,
                                         session.engine.device, self.rank, self.world, self.batch, self.frozen)
         import torch
 

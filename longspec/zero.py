@@ -54,6 +54,70 @@ def parameter_bytes(module: nn.Module) -> tuple[int, int]:
     return held, whole
 
 
+def partitioned(module: nn.Module) -> bool:
+    """Whether ZeRO-3 has partitioned any of the module's parameters."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+WHOLE_SHARE = 0.6            # a whole copy is made when it needs at most this share of the free memory
+
+
+def fits_whole(modules: list[nn.Module], device: torch.device) -> bool:
+    """Whether whole copies of ``modules`` fit beside what this rank holds: their bytes at most
+    WHOLE_SHARE of the device's free memory (the CPU: the host's available memory over the ranks
+    on this host). This rank's answer; callers agree on one across ranks."""
+    import os
+
+    need = sum(parameter_bytes(m)[1] for m in modules)
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        try:
+            with open("/proc/meminfo") as f:
+                info = dict(line.split(":", 1) for line in f)
+            free = int(info["MemAvailable"].split()[0]) * 1024
+        except (OSError, KeyError, ValueError):
+            return False
+        free //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1))
+    return need <= WHOLE_SHARE * free
+
+
+def whole_copy(module: nn.Module, build, device: torch.device) -> nn.Module:
+    """A plain, frozen copy of ``module`` on ``device`` with the same parameters and buffers, also
+    when ZeRO-3 has partitioned it: ``build()`` makes the empty module (on the meta device, so
+    nothing is allocated twice), then each parameter is gathered in turn and copied (under ZeRO-3
+    every rank must call this, in step). Tied parameters stay tied. The copy runs without
+    ZeRO-3's per-module hooks, which cost more than the arithmetic on a small or short forward."""
+    with torch.device("meta"):
+        out = build()
+    sources = dict(module.named_parameters(remove_duplicate=False))
+    made: dict[int, nn.Parameter] = {}
+    for name, _ in list(out.named_parameters(remove_duplicate=False)):
+        src = sources[name]
+        if id(src) not in made:
+            with gathered(src) as w:
+                made[id(src)] = nn.Parameter(w.detach().to(device, copy=True), requires_grad=False)
+        owner, leaf = _owner(out, name)
+        setattr(owner, leaf, made[id(src)])
+    buffers = dict(module.named_buffers(remove_duplicate=False))
+    for name, _ in list(out.named_buffers(remove_duplicate=False)):
+        owner, leaf = _owner(out, name)
+        setattr(owner, leaf, buffers[name].detach().to(device, copy=True))
+    sources_m = dict(module.named_modules())
+    for name, m in out.named_modules():           # plain tensor attributes (a rotary table's original)
+        for key, value in list(vars(m).items()):
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                setattr(m, key, getattr(sources_m[name], key).detach().to(device, copy=True))
+    return out.eval()
+
+
+def _owner(root: nn.Module, dotted: str) -> tuple[nn.Module, str]:
+    *path, leaf = dotted.split(".")
+    for part in path:
+        root = getattr(root, part)
+    return root, leaf
+
+
 # transformers keeps only a weak reference to the object that says "ZeRO-3" (it then loads under
 # deepspeed.zero.Init); this one keeps it alive for the rest of the process.
 _zero3_marker: Any = None
@@ -92,4 +156,5 @@ def announce_zero3(ds_config: dict) -> None:
         set_hf_deepspeed_config(_zero3_marker)
 
 
-__all__ = ["gathered", "gathered_for_update", "parameter_bytes", "zero3_dtype", "announce_zero3"]
+__all__ = ["gathered", "gathered_for_update", "parameter_bytes", "zero3_dtype", "announce_zero3", "partitioned",
+           "fits_whole", "whole_copy"]

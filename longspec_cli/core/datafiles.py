@@ -285,6 +285,56 @@ def _drop_nulls(v):
     return v
 
 
+def tail_rows(src: Source, k: int) -> tuple[int, list[tuple[int, RowAt, dict]]]:
+    """(the rows of a table source, its last ``k`` rows as (index, RowAt, record) in order),
+    reading only what they are in: the parquet footers and last row groups, the arrow files
+    memory-mapped (a record batch is converted only when one of the last rows is in it). The
+    cost does not grow with the data, where RowReader reads it all."""
+    pa = _pyarrow()
+    pieces: list[tuple[Path, int, int, object]] = []      # (file, first row there, rows, loader)
+    total = 0
+    try:
+        for f in src.files:
+            row = 0
+            for n, load in _pieces(pa, src.kind, f):
+                pieces.append((f, row, n, load))
+                row += n
+            total += row
+        out: list[tuple[int, RowAt, dict]] = []
+        index = total
+        for f, first, n, load in reversed(pieces):
+            if len(out) >= k:
+                break
+            take = min(n, k - len(out))
+            part = load().slice(n - take)
+            names = part.schema.names
+            cols = [_values(part.column(i)) for i in range(part.num_columns)]
+            rows = [{c: v for c, v in zip(names, values) if v is not None} for values in zip(*cols)]
+            index -= take
+            out[:0] = [(index + j, RowAt(f, first + n - take + j), rec) for j, rec in enumerate(rows)]
+    except (pa.ArrowException, OSError) as e:
+        raise SourceError(f"{src.spec}: cannot read as {src.kind} ({_first_line(e)})") from None
+    return total, out
+
+
+def _pieces(pa, kind: str, f: Path):
+    """(rows, loader) of each row group (parquet) or record batch (arrow) of one file, in order."""
+    if kind == PARQUET:
+        pf = pa.parquet.ParquetFile(str(f))
+        for g in range(pf.num_row_groups):
+            yield pf.metadata.row_group(g).num_rows, (lambda g=g: pf.read_row_group(g, use_threads=False))
+        return
+    source = pa.memory_map(str(f))
+    reader = _arrow_reader(pa, f, source)
+    if isinstance(reader, pa.ipc.RecordBatchFileReader):
+        for i in range(reader.num_record_batches):
+            batch = reader.get_batch(i)                      # memory-mapped: no copy until converted
+            yield batch.num_rows, (lambda b=batch: b)
+    else:
+        for batch in reader:
+            yield batch.num_rows, (lambda b=batch: b)
+
+
 def iter_rows(src: Source, batch_rows: int = 1024) -> Iterator[tuple[RowAt, dict]]:
     return iter(RowReader(src, batch_rows))
 

@@ -330,6 +330,12 @@ def _sim_cost(rd: runfolder.RunDir) -> tuple | None:
     return spent, as_float(ends[-1]["elapsed_s"])
 
 
+def _cost_text(o: StageOutcome) -> str:
+    spent, loop = o.sim_cost
+    whole = f"{spent / o.wall_s:.1%}, " if o.wall_s else ""
+    return f"{o.name} {spent:.1f} s of {o.wall_s or loop:.1f} s ({whole}{spent / loop:.1%} of {loop:.1f} s)"
+
+
 def print_summary(outcomes: list[StageOutcome], console: Console) -> None:
     rows = [SUMMARY_HEADER] + [o.row() for o in outcomes]
     widths = [max(len(r[i]) for r in rows) for i in range(len(SUMMARY_HEADER))]
@@ -347,9 +353,8 @@ def print_summary(outcomes: list[StageOutcome], console: Console) -> None:
                 for r in o.by_length))
     costed = [o for o in outcomes if o.sim_cost]
     if costed:
-        console.say("\nsim tau (eval's chain tau while training) cost: "
-                    + "  ".join(f"{o.name} {o.sim_cost[0]:.1f} s of {o.sim_cost[1]:.1f} s "
-                                f"({o.sim_cost[0] / o.sim_cost[1]:.1%})" for o in costed))
+        console.say("\nsim tau (eval's chain tau while training) cost, of the stage's wall time (of its "
+                    "training loop's): " + "  ".join(_cost_text(o) for o in costed))
     for o in outcomes:
         if o.note:
             console.say(f"{o.name}: {o.note}")

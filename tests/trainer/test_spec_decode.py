@@ -312,3 +312,29 @@ def test_prefill_keeps_only_the_last_positions_logits(tiny_target):
     assert full.shape == (12, TINY_DIMS["vocab_size"]) and last.shape == (1, TINY_DIMS["vocab_size"])
     assert last.dtype == torch.float32
     torch.testing.assert_close(last[0], full[-1])
+
+
+def test_stage_prompts_read_only_the_last_records_when_the_run_gives_the_count(tmp_path, monkeypatch):
+    """With heldout.json (the prepared data's record count) the prompts come from the JSONL read
+    backwards from its end, and equal those of a whole read."""
+    from longspec import data
+    from longspec.prompts import stage_prompts
+
+    words = [f"r{i}" for i in range(400)] + ["the", "cat", "sees", "a", "dog", "."]
+    tok = word_tokenizer(words)
+    path = tmp_path / "base.jsonl"
+    path.write_text("".join(json.dumps({"text": f"r{i} " + "the cat sees a dog . " * 4}) + "\n" for i in range(400)))
+    conf = {"per_gpu_train_batch_size": 4, "gradient_accumulation_steps": 1, "global_batch_size": 4, "seed": 3,
+            "data": {"collator": "short_text", "on_bad_record": "error", "max_seq_length": 32},
+            "output_dir": str(tmp_path)}
+    (tmp_path / "heldout.json").write_text(json.dumps({"start": 398, "records": 2}))
+    whole = stage_prompts(path, tok, conf, 60, lengths=[12], per_length={12: 8})
+
+    def no_whole_read(*a, **kw):
+        raise AssertionError("the whole file was read")
+
+    monkeypatch.setattr(data, "TAIL_WHOLE", 0)
+    monkeypatch.setattr(data, "read_records", no_whole_read)
+    tail = stage_prompts(path, tok, conf, 60, lengths=[12], per_length={12: 8})
+    assert [(p.ids, p.record) for p in tail[0]] == [(p.ids, p.record) for p in whole[0]] and tail[1] == whole[1]
+    assert whole[1]["records"] == 400 and whole[1]["prompts_drawn_in_training"] == 0

@@ -696,6 +696,20 @@ record = {"plain": parameter_bytes(plain.target), "target": parameter_bytes(mode
 for name in ("target", "draft"):
     whole, ref = gather_draft_state(getattr(model, name)), getattr(plain, name).state_dict()
     record[name + "_differs"] = sorted(k for k in ref if k not in whole or not torch.equal(ref[k], whole[k]))
+# whole copies (what the tau evaluation runs on): the plain build's values, not partitioned
+from longspec.chainwalk import greedy_batch
+from longspec.zero import whole_copy
+cpu = torch.device("cpu")
+hf = model.target.model
+copies = {"target": (whole_copy(hf, lambda: type(hf)(hf.config), cpu), plain.target.model),
+          "draft": (whole_copy(model.draft, lambda: type(model.draft)(model.draft.config), cpu), plain.draft)}
+for name, (copy, ref) in copies.items():
+    got, want = copy.state_dict(), ref.state_dict()
+    record[name + "_copy_differs"] = sorted(k for k in want if k not in got or not torch.equal(want[k], got[k]))
+    record[name + "_copy_partitioned"] = [n for n, p in copy.named_parameters() if hasattr(p, "ds_id")]
+ids = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
+# the copy's non-persistent buffers and attributes (rotary tables) too, which a state_dict leaves out
+record["greedy_same"] = greedy_batch(plain.target.model, ids, 8, cpu) == greedy_batch(copies["target"][0], ids, 8, cpu)
 with open(f"{out}.{rank}.json", "w") as f:
     json.dump(record, f)
 torch.distributed.barrier()
@@ -707,7 +721,8 @@ torch.distributed.destroy_process_group()
 def test_zero3_build_partitions_target_and_draft_on_each_rank_with_unchanged_values(tiny, tmp_path):
     """Under ZeRO-3 build_glide partitions while it builds: each of 2 ranks holds half of the
     target's and the draft's parameter bytes, and gathered they equal a plain build (the target's
-    weights loaded, the draft's seeded init applied)."""
+    weights loaded, the draft's seeded init applied); so do the whole copies the tau evaluation
+    runs on (longspec.zero.whole_copy), which decode the same greedy tokens."""
     script = tmp_path / "zero3_build.py"
     script.write_text(ZERO3_BUILD)
     out = tmp_path / "built"
@@ -722,6 +737,8 @@ def test_zero3_build_partitions_target_and_draft_on_each_rank_with_unchanged_val
         assert_half(*r["target"])
         assert_half(*r["draft"])
         assert r["target_differs"] == [] and r["draft_differs"] == []
+        assert r["target_copy_differs"] == r["draft_copy_differs"] == [] and r["greedy_same"] is True
+        assert r["target_copy_partitioned"] == r["draft_copy_partitioned"] == []
         assert r["draft_dtype"] == "torch.float32"
 
 
