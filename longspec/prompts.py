@@ -240,8 +240,8 @@ def stage_prompts(path: Path, tokenizer, conf: dict, steps: int | None, *, lengt
                   per_length: dict[int, int]) -> tuple[list[Prompt], dict]:
     """Prompts from the newest records of the stage's data its run never drew (then drawn ones
     when too few are left), until every length bucket holds its share (per_length). Only the last
-    records are read (longspec.data.tail_records), so this costs the same at any data size."""
-    from longspec.data import DataError, tail_records, where_short
+    records are read (longspec.records.tail_records), so this costs the same at any data size."""
+    from longspec.records import DataError, tail_records, where_short
 
     want = max(256, 16 * sum(per_length.values()))
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from longspec import data, prepare
+from longspec import data, prepare, records
 from longspec_cli.core import prepared as P
 
 REPO = Path(__file__).resolve().parents[2]
@@ -250,7 +250,7 @@ def test_json_array_read_in_small_chunks_gives_the_whole_read_records(tmp_path, 
     path = tmp_path / "a.json"
     path.write_text("[\n" + ",\n".join(json.dumps(r, indent=1) for r in recs) + "\n]\n")
     whole = list(data.read_records(path))
-    monkeypatch.setattr(data, "ARRAY_CHUNK", 5)            # every record spans several chunks
+    monkeypatch.setattr(records, "ARRAY_CHUNK", 5)            # every record spans several chunks
     assert list(data.read_records(path)) == whole and [r for _, r in whole] == recs
     path.write_text('[{"text": "a"},\n{"text": "b"}\n{"text": "c"}]')
     with pytest.raises(data.DataError, match=r"a\.json:3: expected ',' or ']'"):

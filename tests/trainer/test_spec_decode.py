@@ -317,7 +317,7 @@ def test_prefill_keeps_only_the_last_positions_logits(tiny_target):
 def test_stage_prompts_read_only_the_last_records_when_the_run_gives_the_count(tmp_path, monkeypatch):
     """With heldout.json (the prepared data's record count) the prompts come from the JSONL read
     backwards from its end, and equal those of a whole read."""
-    from longspec import data
+    from longspec import records
     from longspec.prompts import stage_prompts
 
     words = [f"r{i}" for i in range(400)] + ["the", "cat", "sees", "a", "dog", "."]
@@ -333,8 +333,8 @@ def test_stage_prompts_read_only_the_last_records_when_the_run_gives_the_count(t
     def no_whole_read(*a, **kw):
         raise AssertionError("the whole file was read")
 
-    monkeypatch.setattr(data, "TAIL_WHOLE", 0)
-    monkeypatch.setattr(data, "read_records", no_whole_read)
+    monkeypatch.setattr(records, "TAIL_WHOLE", 0)
+    monkeypatch.setattr(records, "read_records", no_whole_read)
     tail = stage_prompts(path, tok, conf, 60, lengths=[12], per_length={12: 8})
     assert [(p.ids, p.record) for p in tail[0]] == [(p.ids, p.record) for p in whole[0]] and tail[1] == whole[1]
     assert whole[1]["records"] == 400 and whole[1]["prompts_drawn_in_training"] == 0
