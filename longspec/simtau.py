@@ -197,7 +197,7 @@ class SimTau:
         import torch
 
         from longspec import chainwalk
-        from longspec.zero import fits_whole, partitioned
+        from longspec.zero import fits_whole, meta_shell, partitioned
 
         prompts, self.lengths, target, why = self._prompts(session)
         if prompts is None:
@@ -211,8 +211,10 @@ class SimTau:
         path = self.out.dir / runfolder.CONTINUATIONS
         digest = chainwalk.continuation_digest(Path(target), self.prompts)
         conts = chainwalk.read(path, digest, self.prompts, self.gamma)
+        hf = module.target.model
+        shell = meta_shell(lambda: type(hf)(hf.config)) if conts is None and partitioned(hf) else None
         flags = torch.tensor([0 if conts is None else 1,
-                              int(partitioned(module.target) and fits_whole([module.target, module.draft], device)),
+                              int(shell is not None and fits_whole([module.target, module.draft], device)),
                               int(partitioned(module.draft) and fits_whole([module.draft], device))])
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN)   # every rank alike
         have, copy_target, self.copy_draft = (bool(f) for f in flags.tolist())
@@ -220,12 +222,11 @@ class SimTau:
             self.conts = conts
             return
         t0 = time.time()
-        hf = module.target.model
         if copy_target:
             from longspec.target import TargetWrapper
             from longspec.zero import whole_copy
 
-            self.target_copy = TargetWrapper(whole_copy(hf, lambda: type(hf)(hf.config), device))
+            self.target_copy = TargetWrapper(whole_copy(hf, shell, device))
             hf = self.target_copy.model
         mine = chainwalk.generate(hf, self.prompts, self.gamma, device, self.rank, self.world)
         shares: list = [None] * self.world
@@ -240,13 +241,13 @@ class SimTau:
     def _parts(self, session) -> SimpleNamespace:
         """The target and draft one evaluation runs: the whole copies where _prepare chose them."""
         module = session.engine.module
-        target = self.target_copy or module.target
+        target = module.target if self.target_copy is None else self.target_copy
         self.target_copy = None                      # the first evaluation is its last use: freed after it
         draft = module.draft
         if self.copy_draft:
-            from longspec.zero import whole_copy
+            from longspec.zero import meta_shell, whole_copy
 
-            draft = whole_copy(draft, lambda: type(draft)(draft.config), session.engine.device)
+            draft = whole_copy(draft, meta_shell(lambda: type(draft)(draft.config)), session.engine.device)
         return SimpleNamespace(target=target, draft=draft)
 
     def maybe(self, session, force: bool = False) -> bool:

@@ -82,14 +82,23 @@ def fits_whole(modules: list[nn.Module], device: torch.device) -> bool:
     return need <= WHOLE_SHARE * free
 
 
-def whole_copy(module: nn.Module, build, device: torch.device) -> nn.Module:
+def meta_shell(build) -> nn.Module | None:
+    """``build()`` on the meta device (nothing allocated): the empty module whole_copy fills, or
+    None when the module cannot be built from its config alone (then no copy is made)."""
+    try:
+        with torch.device("meta"):
+            return build()
+    except Exception:                      # any constructor's failure means: run on the original
+        return None
+
+
+def whole_copy(module: nn.Module, shell: nn.Module, device: torch.device) -> nn.Module:
     """A plain, frozen copy of ``module`` on ``device`` with the same parameters and buffers, also
-    when ZeRO-3 has partitioned it: ``build()`` makes the empty module (on the meta device, so
-    nothing is allocated twice), then each parameter is gathered in turn and copied (under ZeRO-3
-    every rank must call this, in step). Tied parameters stay tied. The copy runs without
-    ZeRO-3's per-module hooks, which cost more than the arithmetic on a small or short forward."""
-    with torch.device("meta"):
-        out = build()
+    when ZeRO-3 has partitioned it: ``shell`` (meta_shell) gets each parameter, gathered in turn
+    (under ZeRO-3 every rank must call this, in step). Tied parameters stay tied. The copy runs
+    without ZeRO-3's per-module hooks, which cost more than the arithmetic on a small or short
+    forward."""
+    out = shell
     sources = dict(module.named_parameters(remove_duplicate=False))
     made: dict[int, nn.Parameter] = {}
     for name, _ in list(out.named_parameters(remove_duplicate=False)):
@@ -157,4 +166,4 @@ def announce_zero3(ds_config: dict) -> None:
 
 
 __all__ = ["gathered", "gathered_for_update", "parameter_bytes", "zero3_dtype", "announce_zero3", "partitioned",
-           "fits_whole", "whole_copy"]
+           "fits_whole", "meta_shell", "whole_copy"]

@@ -216,3 +216,23 @@ def test_a_resume_from_before_the_best_step_drops_that_best_draft(tmp_path):
         assert resumed.best_tau == -float("inf") and resumed.redo
     finally:
         dist.destroy_process_group()
+
+
+def test_a_module_that_cannot_be_built_from_its_config_gets_no_whole_copy():
+    """meta_shell: an empty module to copy into, allocated nowhere; a constructor that fails means
+    the evaluation runs on the (partitioned) original, never that training stops."""
+    import torch.nn as nn
+
+    from longspec.zero import meta_shell, whole_copy
+
+    class NeedsMore(nn.Module):
+        def __init__(self, config, extra):
+            super().__init__()
+
+    src = nn.Linear(3, 2)
+    assert meta_shell(lambda: NeedsMore({})) is None
+    shell = meta_shell(lambda: nn.Linear(3, 2))
+    assert shell.weight.is_meta
+    copy = whole_copy(src, shell, torch.device("cpu"))
+    assert torch.equal(copy.weight, src.weight) and copy.weight.data_ptr() != src.weight.data_ptr()
+    assert not copy.weight.requires_grad

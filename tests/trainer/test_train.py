@@ -698,11 +698,12 @@ for name in ("target", "draft"):
     record[name + "_differs"] = sorted(k for k in ref if k not in whole or not torch.equal(ref[k], whole[k]))
 # whole copies (what the tau evaluation runs on): the plain build's values, not partitioned
 from longspec.chainwalk import greedy_batch
-from longspec.zero import whole_copy
+from longspec.zero import meta_shell, whole_copy
 cpu = torch.device("cpu")
 hf = model.target.model
-copies = {"target": (whole_copy(hf, lambda: type(hf)(hf.config), cpu), plain.target.model),
-          "draft": (whole_copy(model.draft, lambda: type(model.draft)(model.draft.config), cpu), plain.draft)}
+copies = {"target": (whole_copy(hf, meta_shell(lambda: type(hf)(hf.config)), cpu), plain.target.model),
+          "draft": (whole_copy(model.draft, meta_shell(lambda: type(model.draft)(model.draft.config)), cpu),
+                    plain.draft)}
 for name, (copy, ref) in copies.items():
     got, want = copy.state_dict(), ref.state_dict()
     record[name + "_copy_differs"] = sorted(k for k in want if k not in got or not torch.equal(want[k], got[k]))
