@@ -72,12 +72,9 @@ def fits_whole(modules: list[nn.Module], device: torch.device) -> bool:
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:
-        try:
-            with open("/proc/meminfo") as f:
-                info = dict(line.split(":", 1) for line in f)
-            free = int(info["MemAvailable"].split()[0]) * 1024
-        except (OSError, KeyError, ValueError):
-            return False
+        import psutil
+
+        free = psutil.virtual_memory().available
         free //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1))
     return need <= WHOLE_SHARE * free
 
