@@ -199,7 +199,6 @@ def trained_indices(n: int, conf: dict, steps: int | None) -> set[int] | None:
     (longspec.data.ShardedBatchSampler: seeded shuffle per epoch, dealt over ranks); None when
     that cannot be known (records skipped as bad, unknown step count or batch layout)."""
     from longspec.data import ShardedBatchSampler
-    from longspec_cli.core import runfolder
 
     batch, accum = conf_get(conf, "per_gpu_train_batch_size"), conf_get(conf, "gradient_accumulation_steps", 1)
     glob, seed = conf_get(conf, "global_batch_size"), conf_get(conf, "seed", 42)
@@ -207,8 +206,7 @@ def trained_indices(n: int, conf: dict, steps: int | None) -> set[int] | None:
             or not isinstance(batch, int) or not isinstance(accum, int) or batch < 1 or accum < 1:
         return None
     world = glob // (batch * accum) if isinstance(glob, int) and glob >= batch * accum else 1
-    out = conf_get(conf, "output_dir")
-    held, _ = runfolder.read_json(Path(out) / runfolder.HELDOUT) if out else (None, None)
+    held = heldout_of(conf)
     if held is not None and isinstance(held.get("start"), int) and 0 < held["start"] <= n:
         n = held["start"]                     # the sampler deals only the records before the held-out ones
     seen: set[int] = set()
@@ -223,14 +221,20 @@ def trained_indices(n: int, conf: dict, steps: int | None) -> set[int] | None:
     return seen
 
 
-def records_of(conf: dict) -> int | None:
-    """The stage's record count as its run's heldout.json gives it (longspec.simtau: the held-out
-    records are the last ones of the prepared data), None without one."""
+def heldout_of(conf: dict) -> dict | None:
+    """The stage's run's heldout.json (longspec.simtau writes it), None without one."""
     from longspec_cli.core import runfolder
 
     out = conf_get(conf, "output_dir")
     held, _ = runfolder.read_json(Path(out) / runfolder.HELDOUT) if out else (None, None)
-    if not isinstance(held, dict):
+    return held if isinstance(held, dict) else None
+
+
+def records_of(conf: dict) -> int | None:
+    """The stage's record count as its run's heldout.json gives it (the held-out records are the
+    last ones of the prepared data), None without one."""
+    held = heldout_of(conf)
+    if held is None:
         return None
     start, n = held.get("start"), held.get("records")
     return start + n if isinstance(start, int) and isinstance(n, int) and start > 0 and n > 0 else None
