@@ -1,10 +1,10 @@
-"""What the chat split (longspec.chat.split_chat) costs when a stage is encoded.
+"""What the chat split (longspec.data.chat.split_chat) costs when a stage is encoded.
 
     .venv/bin/python bench/bench_chat_split.py [--records 200]
 
 On the tiny preset's stage-2 and stage-3 records (multi-turn chats of 25-40 turns, arXiv
 summaries, long chains of thought), under the tiny ChatML template and QwQ-32B's published one
-(tests/trainer/templates/), prints per stage and template: records/s of data.encode_records
+(tests/trainer/templates/), prints per stage and template: records/s of encoding.encode_records
 (render + split + tokenize + labels) and the ratio to one plain apply_chat_template render plus one
 tokenizer call per record (the least any template-based collator does). Compare ratios, not times.
 """
@@ -27,7 +27,8 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
-    from longspec import collators, data, tiny
+    from longspec.data import collators, encoding
+    from longspec import tiny
 
     target = tiny.build_tiny(Path(tempfile.mkdtemp()), family="qwen2")["target"]
     stages = {"long_data": tiny.long_records(random.Random(0), args.records),
@@ -39,7 +40,7 @@ def main() -> None:
             tok.chat_template = (ROOT / "tests/trainer/templates/qwq-32b.jinja").read_text()
         for collator, recs in stages.items():
             t0 = time.perf_counter()
-            out = data.encode_records(recs, tok, collator, 1 << 20)
+            out = encoding.encode_records(recs, tok, collator, 1 << 20)
             split_s = time.perf_counter() - t0
             assert not any(isinstance(r, Exception) for r in out)
             t0 = time.perf_counter()

@@ -68,8 +68,8 @@ def fresh_draft_tau(d: Path) -> float | None:
     import torch
     import yaml
 
-    from longspec.checkpoint import save_draft
-    from longspec.model import DraftConfig, GlideDraft
+    from longspec.model.checkpoint import save_draft
+    from longspec.model.glide import DraftConfig, GlideDraft
     from transformers import AutoConfig
 
     run = d / "runs" / "base"

@@ -35,7 +35,7 @@ def run_one(variant: str, chunk: int, tokens: int, hidden: int, vocab: int, repe
     import torch
     import torch.nn.functional as F
 
-    from longspec import kernels
+    from longspec.model import kernels
 
     torch.manual_seed(0)
     h = torch.randn(tokens, hidden, device=device, requires_grad=True)
@@ -105,7 +105,7 @@ def main() -> None:
         return
 
     sys.path.insert(0, str(ROOT))
-    from longspec.kernels import DEFAULT_CE_CHUNK
+    from longspec.model.kernels import DEFAULT_CE_CHUNK
 
     chunks = [c or DEFAULT_CE_CHUNK for c in args.chunks]
     print(f"linear_cross_entropy fwd+bwd: {args.tokens} tokens, hidden {args.hidden}, vocab {args.vocab}, fp32, "

@@ -5,7 +5,7 @@ reading the whole train_file (what every rank did at every start and resume befo
 
 On generated JSONL of the tiny preset's kind of text (bench_prepare.generate) and the same records
 as parquet shards, with the tiny target's tokenizer and a base stage's config, prints per size the
-seconds of longspec.prompts.default_prompts: (a) with the run's heldout.json (the record count the
+seconds of longspec.measure.prompts.default_prompts: (a) with the run's heldout.json (the record count the
 prepared data gives: the JSONL read backwards from its end, its earlier lines only counted for
 their line numbers; parquet through its footers and last row groups), (b) without it (JSONL read
 and parsed whole), and the prompts must be the same in both. Goal: (a) flat across sizes, its
@@ -48,8 +48,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="50,200,800", help="MiB of JSONL")
     ap.add_argument("--keep", action="store_true")
     a = ap.parse_args()
-    from longspec import prompts as P
-    from longspec.data import load_tokenizer
+    from longspec.measure import prompts as P
+    from longspec.data.encoding import load_tokenizer
     from longspec.tiny import cached_target
 
     target, _ = cached_target("qwen2")

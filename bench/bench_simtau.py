@@ -136,8 +136,8 @@ def cost(d: Path) -> None:
 
 
 def estimate(a) -> None:
-    from longspec.evalreport import default_lengths
-    from longspec.prompts import default_num_prompts
+    from longspec.measure.evalreport import default_lengths
+    from longspec.measure.prompts import default_num_prompts
 
     lengths = default_lengths(a.seq)
     per = {n: default_num_prompts(n, len(lengths)) for n in lengths}
@@ -150,16 +150,16 @@ def estimate(a) -> None:
     # continuations: each rank decodes its share (round-robin) in left-padded batches (chainwalk.decode_batches)
     from types import SimpleNamespace
 
-    from longspec.chainwalk import GEN_BATCH, GEN_TOKENS, decode_batches
+    from longspec.measure.chainwalk import GEN_BATCH, GEN_TOKENS, decode_batches
 
     fake = [SimpleNamespace(ids=range(n)) for n, k in per.items() for _ in range(k)]
     plans = [decode_batches(list(range(r, prompts, a.gpus)), fake, new, GEN_BATCH, GEN_TOKENS) for r in range(a.gpus)]
     batches = max(len(p) for p in plans)
     padded = max(sum(len(b) * len(fake[b[0]].ids) for b in p) for p in plans) * a.gpus   # prefill positions
     cont_s = batches * new * gather_s + (padded + prompts * new) * flops / compute
-    # a whole copy of the target (longspec.zero.whole_copy) when it fits: gathered once, then each decode
+    # a whole copy of the target (longspec.model.zero.whole_copy) when it fits: gathered once, then each decode
     # forward reads the weights from the GPU's own memory
-    from longspec.zero import WHOLE_SHARE
+    from longspec.model.zero import WHOLE_SHARE
 
     free = a.gpu_mem * 2**30 - 2 * a.params / a.gpus - 8 * 2**30       # its shard, the draft's states, a reserve
     whole = 2 * a.params <= WHOLE_SHARE * free
@@ -172,7 +172,7 @@ def estimate(a) -> None:
     # a training step: the frozen target's forward over the global batch (the draft is small)
     step_s = a.gpus * a.seq * flops / compute + gather_s
     evals = a.steps // a.eval_steps + 2
-    from longspec.chainwalk import FROZEN_BYTES
+    from longspec.measure.chainwalk import FROZEN_BYTES
 
     kept = (prompt_tokens + prompts * new) / a.gpus * (2 * a.kv + a.hidden) * 2        # bf16 K/V + embeddings
     later_s = ev_s

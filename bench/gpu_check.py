@@ -71,7 +71,7 @@ def estimate_bytes(dims: dict, seq: int, window: int, flash: bool, on_cuda: bool
 def run_length(model, seq: int, a: argparse.Namespace, device) -> dict:
     import torch
 
-    from longspec.positions import anchor_offset_position_ids, sample_cross_lag
+    from longspec.training.positions import anchor_offset_position_ids, sample_cross_lag
 
     vocab = model.target.config.vocab_size
     gen = torch.Generator().manual_seed(seq)
@@ -108,8 +108,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
 
-    from longspec import kernels
-    from longspec.model import build_glide
+    from longspec.model import kernels
+    from longspec.model.glide import build_glide
 
     if not a.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA device (use --dry-run to check the script on a CPU)", file=sys.stderr)

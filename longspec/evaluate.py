@@ -9,7 +9,7 @@ trainer wrote) names the target, the training data, the draft's sliding window a
 max_seq_length; stage_complete.json names the final weights. Every one of them can be given
 as a flag instead (--target, --draft, --data, --sliding-window).
 
-Prompts (longspec.prompts, longspec.benchfiles): held-out records of the stage's train_file (the
+Prompts (longspec.measure.prompts, longspec.measure.benchfiles): held-out records of the stage's train_file (the
 newest the run never drew; the trainer's sampler is replayed), a chat or chain-of-thought record
 cut at its question (the conversation up to the last user turn with the template's generation
 prompt; its answer is never in the prompt), a document cut at each context length; or --prompts
@@ -17,7 +17,7 @@ FILE; or --bench longbench:FOLDER / aime:FILE. Decoding stops at the end of turn
 new-token limit (1,024 for documents, chats and LongBench, 200 for chain-of-thought and AIME, at
 most an eighth of max_seq_length; --max-new-tokens sets one for all).
 
-Length buckets (longspec.evalreport): --lengths, default powers of two from 1k up to the stage's
+Length buckets (longspec.measure.evalreport): --lengths, default powers of two from 1k up to the stage's
 max_seq_length and that length (two at least); a prompt falls in the smallest length >= its
 tokens. Per bucket (eval.json `by_length`) and per benchmark task (`by_task`): prompts, chain and
 tree tau and speed-up, and the input draft's tau on the same prompts (--baseline-draft: the
@@ -37,9 +37,9 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from longspec.evalmeasure import METHODS
-from longspec.evalreport import EVAL_NAME
-from longspec.prompts import (MAX_PROMPTS, MIN_PROMPTS, PROMPT_TOKEN_BUDGET, PromptError,  # noqa: F401 (eval's defaults)
+from longspec.measure.evalmeasure import METHODS
+from longspec.measure.evalreport import EVAL_NAME
+from longspec.measure.prompts import (MAX_PROMPTS, MIN_PROMPTS, PROMPT_TOKEN_BUDGET, PromptError,  # noqa: F401 (eval's defaults)
                               conf_get as _get, default_num_prompts)
 
 DEFAULT_GAMMA = 4
@@ -122,8 +122,8 @@ def load_models(target: Path, draft: Path, sliding_window: int, dtype, device):
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from longspec.checkpoint import DraftLoadError
-    from longspec.model import build_glide
+    from longspec.model.checkpoint import DraftLoadError
+    from longspec.model.glide import build_glide
 
     if not (target / "config.json").is_file():
         raise EvalError(f"target model folder {target} has no config.json", 3,
@@ -200,7 +200,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise EvalError(f"--temperature must be a number >= 0 (got {args.temperature})", 2)
     if args.prompts is not None and args.bench is not None:
         raise EvalError("--prompts and --bench: give one of them", 2)
-    from longspec.evalreport import parse_lengths
+    from longspec.measure.evalreport import parse_lengths
 
     if args.lengths is not None:
         try:
@@ -208,7 +208,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         except ValueError as e:
             raise EvalError(f"--lengths: {e}", 2) from None
     args.method = list(dict.fromkeys(args.method or ["chain"]))
-    from longspec.tree_decode import DEFAULT_TREE_SHAPE, parse_tree_shape
+    from longspec.decode.tree_decode import DEFAULT_TREE_SHAPE, parse_tree_shape
 
     args.default_tree = args.tree_shape is None
     try:
@@ -239,10 +239,10 @@ def nondefault_settings(args) -> list[str]:
 
 
 def pick_prompts(args, conf: dict, complete: dict | None, tok, max_seq: int, limit: int):
-    """(prompts, info, lengths) of this measurement (longspec.prompts / longspec.benchfiles), each
+    """(prompts, info, lengths) of this measurement (longspec.measure.prompts / longspec.measure.benchfiles), each
     prompt with its new-token limit and length bucket; info["prompts_over_longest"] counts those left out."""
-    from longspec import benchfiles, prompts as P
-    from longspec.evalreport import default_lengths
+    from longspec.measure import benchfiles, prompts as P
+    from longspec.measure.evalreport import default_lengths
 
     if args.bench is not None:
         kind, where = benchfiles.parse_bench(args.bench)
@@ -278,8 +278,8 @@ def pick_prompts(args, conf: dict, complete: dict | None, tok, max_seq: int, lim
 def evaluate(args: argparse.Namespace, log=None) -> dict:
     import torch
 
-    from longspec import evalmeasure, evalreport, prompts as P
-    from longspec.checkpoint import DraftLoadError
+    from longspec.measure import evalmeasure, evalreport, prompts as P
+    from longspec.model.checkpoint import DraftLoadError
     from longspec_cli.core.atomic import sha256_file
 
     run_dir = args.run_dir
@@ -322,7 +322,8 @@ def evaluate(args: argparse.Namespace, log=None) -> dict:
             baseline = evalmeasure.load_baseline(args.baseline_draft, gdraft, dtype, device)
         except DraftLoadError as e:
             raise EvalError(f"input draft: {e}", 3) from None
-    from longspec import kernels, tree_attn   # what each attention runs on, for eval.json's `backend`
+    from longspec.model import kernels   # what each attention runs on, for eval.json's `backend`
+    from longspec.decode import tree_attn
     backend = {"draft_attention": kernels.backend(device, dtype)["attention"],
                "tree_verify": tree_attn.setup_verify(model, device, dtype) if "tree" in args.method else None}
     methods = tuple(args.method)
@@ -364,7 +365,7 @@ def evaluate(args: argparse.Namespace, log=None) -> dict:
         "by_length": evalreport.by_length(rows, lengths, methods),
     }
     if args.bench is None and args.prompts is None and args.data is None:      # the stage's own prompts
-        from longspec.chainwalk import same_as_training
+        from longspec.measure.chainwalk import same_as_training
 
         result["continuations"] = same_as_training(run_dir, target, prompts, rows)
     if args.bench is not None:
@@ -398,7 +399,7 @@ def method_label(m: dict) -> str:
 
 
 def _print_table(r: dict) -> None:
-    from longspec.evalreport import label
+    from longspec.measure.evalreport import label
 
     lossless = {True: "yes", False: "NO", None: "n/a (sampling)"}[r["lossless"]]
     temp = f", temperature {r['temperature']:g}" if r.get("temperature") else ""

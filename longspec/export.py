@@ -7,7 +7,7 @@ hf           a folder in the layout of the released LongSpec drafts (sail/longsp
              a PreTrainedModel whose config class is the target family's (Qwen2Config /
              LlamaConfig / ...) and whose state dict is the bare decoder block. So:
                config.json        model_type of the target family, architectures
-                                  ["<Family>GlideDecoderLayer"] (longspec.families), the
+                                  ["<Family>GlideDecoderLayer"] (longspec.model.families), the
                                   draft's sizes, rope, sliding window, the target's name/path
                model.safetensors  unprefixed keys: self_attn.*, cross_attn.*, mlp.*,
                                   input_layernorm / post_self_attention_layernorm /
@@ -15,7 +15,7 @@ hf           a folder in the layout of the released LongSpec drafts (sail/longsp
 safetensors  one .safetensors file with the same keys; the draft config rides in its metadata.
 
 Both are written atomically (a temp folder or file next to the destination, then a rename) and
-read back with longspec.checkpoint.load_draft_state, which must give tensors equal to the
+read back with longspec.model.checkpoint.load_draft_state, which must give tensors equal to the
 source (torch.equal) before the export is reported. Exit codes: 0 ok, 1 refused (destination
 exists without --force, no finished draft), 2 usage, 3 unreadable input.
 """
@@ -46,7 +46,7 @@ def draft_config_json(target_config: Any, draft_cfg, *, target_name: str, dtype:
     """config.json of an exported draft: a valid config of the target's family describing ONE block."""
     import transformers
 
-    from longspec.families import FAMILIES, rope_params
+    from longspec.model.families import FAMILIES, rope_params
 
     theta, rope_type = rope_params(target_config)
     rope_parameters = getattr(target_config, "rope_parameters", None)
@@ -167,7 +167,7 @@ def verify_round_trip(state: Mapping[str, Any], path: Path) -> None:
     """load_draft_state(path) must give exactly ``state`` (same keys, dtypes, shapes, values)."""
     import torch
 
-    from longspec.checkpoint import load_draft_state
+    from longspec.model.checkpoint import load_draft_state
 
     back = load_draft_state(path)
     if set(back) != set(state):
@@ -183,8 +183,8 @@ def export_draft(weights: Path, target: Path, fmt: str, out: Path, *, sliding_wi
     import torch
     from transformers import AutoConfig
 
-    from longspec.checkpoint import DraftLoadError, check_draft_state, load_draft_state
-    from longspec.model import DraftConfig, GlideDraft
+    from longspec.model.checkpoint import DraftLoadError, check_draft_state, load_draft_state
+    from longspec.model.glide import DraftConfig, GlideDraft
     from longspec_cli.core.atomic import sha256_file
 
     if fmt not in FORMATS:

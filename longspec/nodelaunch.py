@@ -4,7 +4,7 @@ stop signals, that says how its ranks ended.
 ARGS are those of `python -m deepspeed.launcher.launch` (--world_info, --node_rank, ...). DeepSpeed
 0.19.8's launcher answers SIGINT/SIGTERM by terminating every rank (SIGTERM, then SIGKILL after
 30 s) and dies of SIGUSR1 (no handler). A scheduler's preemption notice reaches the launcher and
-the ranks together, and the ranks need time to save a checkpoint (longspec/preempt.py). Here the
+the ranks together, and the ranks need time to save a checkpoint (longspec/training/preempt.py). Here the
 first SIGTERM/SIGUSR1/SIGINT is passed on to the ranks once and otherwise ignored; the launcher
 keeps waiting for them (they exit 5 after saving, and DeepSpeed's launcher exits with that code).
 A second signal, later than the echo window, runs DeepSpeed's own handler: every rank ends now.
@@ -39,7 +39,7 @@ import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 
-from longspec.preempt import ECHO_S  # noqa: E402
+from longspec.training.preempt import ECHO_S  # noqa: E402
 
 LATE_RANKS_S = 600.0  # how long a request waits for ranks that have not started yet
 MARK = "LONGSPEC-NODE "

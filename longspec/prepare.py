@@ -6,7 +6,7 @@
 The cache layout and its state checks live in longspec_cli.core.prepared (pure, read by `status`);
 this module builds it (streaming, batched, optionally in worker processes), holds the lock while
 building so that only one process per cache tokenizes, and serves it as a torch Dataset.
-Tokens and labels come from longspec.data's collators (encode_records), the single owner of them.
+Tokens and labels come from longspec.data.encoding's collators (encode_records), the single owner of them.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ class CacheWriteError(Exception):
 # ----------------------------------------------------------------------------- dataset
 
 class PreparedDataset:
-    """A prepared cache, memory-mapped: the same items as data.TokenDataset."""
+    """A prepared cache, memory-mapped: the same items as encoding.TokenDataset."""
 
     def __init__(self, folder: Path, man: dict):
         self.folder, self.manifest = folder, man
@@ -56,7 +56,7 @@ class PreparedDataset:
     def __getitem__(self, i: int):
         import torch
 
-        from longspec.data import IGNORE
+        from longspec.data.encoding import IGNORE
 
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         ids = torch.from_numpy(self.tokens[a:b].astype(np.int64))
@@ -142,15 +142,15 @@ class Options:
 def build(train_file: Path, target: str, fields: dict, folder: Path, tokenizer, workers: int = 1,
           progress: bool = True, label: str = "prepare") -> dict:
     """Tokenize `train_file` into `folder` (under the caller's lock). Returns the manifest."""
-    from longspec import data
+    from longspec.data import encoding
 
     opts = Options(*(fields[k] for k in P.DATA_OPTIONS))
-    if opts.collator not in data.ENCODERS:
-        raise data.DataError(f"unknown collator {opts.collator!r}; choose one of {', '.join(data.COLLATORS)}")
+    if opts.collator not in encoding.ENCODERS:
+        raise encoding.DataError(f"unknown collator {opts.collator!r}; choose one of {', '.join(encoding.COLLATORS)}")
     try:
         src = datafiles.resolve(fields["source"])          # absolute, as the cache's key names it
     except datafiles.SourceError as e:
-        raise data.DataError(e.message) from None
+        raise encoding.DataError(e.message) from None
     folder.mkdir(parents=True, exist_ok=True)
     _clean_strays(folder, keep=None)
     src_before = [P.stat_key(f) for f in src.files]
@@ -164,12 +164,12 @@ def build(train_file: Path, target: str, fields: dict, folder: Path, tokenizer, 
     bar = _Progress(src.size, label, progress)
     t0 = time.monotonic()
     try:
-        records = data.read_records(src.spec, opts.on_bad_record, problems, opened=fileobj.append)
+        records = encoding.read_records(src.spec, opts.on_bad_record, problems, opened=fileobj.append)
         for line, result in _encoded(records, tokenizer, target, opts, workers):
             if isinstance(result, str):
-                msg = f"{data.where(train_file, line)}: {result} (collator {opts.collator})"
+                msg = f"{encoding.where(train_file, line)}: {result} (collator {opts.collator})"
                 if opts.on_bad_record == "error":
-                    raise data.DataError(msg)
+                    raise encoding.DataError(msg)
                 problems.append(msg)
                 continue
             ids, trained, full = result
@@ -182,23 +182,23 @@ def build(train_file: Path, target: str, fields: dict, folder: Path, tokenizer, 
             if counts["records"] % CHUNK_RECORDS == 0:
                 bar.show(counts["records"], counts["tokens"], _tell(fileobj))
         if counts["records"] == 0:
-            raise data.DataError(f"{train_file}: no usable records for collator {opts.collator} "
+            raise encoding.DataError(f"{train_file}: no usable records for collator {opts.collator} "
                                  f"({len(problems)} bad)" + (f"; first: {problems[0]}" if problems else ""))
         bar.show(counts["records"], counts["tokens"], bar.total, final=True)
         if [P.stat_key(f) for f in src.files] != src_before:
-            raise data.DataError(f"{train_file} changed while it was being prepared; run it again")
+            raise encoding.DataError(f"{train_file} changed while it was being prepared; run it again")
         files = writer.commit()
     except BaseException:
         writer.discard()
         raise
     man = {"format": P.FORMAT, "key": fields, "build": build_id, "dtype": np.dtype(dtype).name,
-           "collator_version": data.COLLATOR_VERSION,
+           "collator_version": encoding.COLLATOR_VERSION,
            "source": {"size": src.size, "files": [
                {"path": str(f), "size": f.stat().st_size, "stat": st, "sha256": _source_sha(f)}
                for f, st in zip(src.files, src_before)]},
            "records": counts["records"], "tokens": counts["tokens"],
            "trained_tokens": counts["trained_tokens"], "truncated": counts["truncated"],
-           "skipped": len(problems), "problems": problems[:data._KEEP_PROBLEMS],
+           "skipped": len(problems), "problems": problems[:encoding._KEEP_PROBLEMS],
            "histogram": [[1 if b == 0 else (1 << (b - 1)) + 1, 1 << b, hist[b]] for b in sorted(hist)],
            "files": files, "seconds": round(time.monotonic() - t0, 3), "created_at": time.time(),
            "chat_check": _chat_check(train_file, tokenizer, opts)}
@@ -275,7 +275,7 @@ def _chunks(records):
 
 
 def _encode_chunk(chunk: list, tokenizer, opts: Options) -> list:
-    from longspec.data import RecordError, encode_records
+    from longspec.data.encoding import RecordError, encode_records
 
     results = encode_records([rec for _, rec in chunk], tokenizer, opts.collator, opts.max_seq_length)
     return [(line, str(r) if isinstance(r, RecordError) else r) for (line, _), r in zip(chunk, results)]
@@ -285,10 +285,10 @@ _WORKER: dict[str, Any] = {}
 
 
 def _worker_init(target: str) -> None:
-    from longspec import data
+    from longspec.data import encoding
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    _WORKER["tok"] = data.load_tokenizer(target)
+    _WORKER["tok"] = encoding.load_tokenizer(target)
 
 
 def _worker_encode(chunk: list, opts: Options) -> list:
@@ -301,10 +301,10 @@ def ensure(train_file: str | Path, target: str, data_conf: dict, tokenizer=None,
            progress: bool = True, label: str = "prepare", say=None) -> tuple[PreparedDataset, dict, bool]:
     """The stage's prepared data: (dataset, manifest, built). Checks the cache and, when it is
     missing, stale or corrupt, builds it under a file lock; processes that find the lock held wait
-    and then use what the holder built. Raises data.DataError for bad data."""
+    and then use what the holder built. Raises encoding.DataError for bad data."""
     from filelock import FileLock, Timeout
 
-    from longspec import data
+    from longspec.data import encoding
     from longspec_cli.core.atomic import lock_path
 
     say = say or (lambda text: print(text, file=sys.stderr, flush=True))
@@ -312,7 +312,7 @@ def ensure(train_file: str | Path, target: str, data_conf: dict, tokenizer=None,
     fields = P.key_fields(train_file, target, data_conf)
     folder = P.cache_dir(fields)
     try:
-        man = P.check(folder, fields, data.COLLATOR_VERSION)
+        man = P.check(folder, fields, encoding.COLLATOR_VERSION)
         return PreparedDataset(folder, man), man, False
     except P.CacheProblem:
         pass
@@ -328,12 +328,12 @@ def ensure(train_file: str | Path, target: str, data_conf: dict, tokenizer=None,
                 waited = True
     try:
         try:
-            man = P.check(folder, fields, data.COLLATOR_VERSION)      # built while we waited
+            man = P.check(folder, fields, encoding.COLLATOR_VERSION)      # built while we waited
             return PreparedDataset(folder, man), man, False
         except P.CacheProblem as e:
             why = str(e)
         say(f"{label}: tokenizing {train_file} ({why}) into {folder}")
-        tok = tokenizer if tokenizer is not None else data.load_tokenizer(target)
+        tok = tokenizer if tokenizer is not None else encoding.load_tokenizer(target)
         try:
             man = build(train_file, target, fields, folder, tok, workers=workers, progress=progress, label=label)
         except OSError as e:
@@ -383,7 +383,7 @@ FLAGS: dict = {}
 
 
 def run(cfg) -> dict:
-    from longspec.entry import TrainError, read_config
+    from longspec.training.entry import TrainError, read_config
 
     conf = read_config(cfg)
     d = conf["data"]
@@ -410,8 +410,8 @@ def _print_summary(r: dict) -> None:
 
 
 def guarded(cfg) -> int:
-    from longspec.data import DataError
-    from longspec.entry import EXIT_ERROR, EXIT_INPUT, tool_boundary
+    from longspec.data.encoding import DataError
+    from longspec.training.entry import EXIT_ERROR, EXIT_INPUT, tool_boundary
 
     def code_of(e: BaseException) -> int:
         return EXIT_INPUT if isinstance(e, DataError) and not isinstance(e, CacheWriteError) else EXIT_ERROR
@@ -428,7 +428,7 @@ def guarded(cfg) -> int:
 def main() -> None:
     """`python -m longspec.prepare [--json] --config-dir DIR/conf +exp=STAGE [overrides]`: the stage
     composed by the trainer's own Hydra entry (same primary config and search path)."""
-    from longspec.entry import implied_config_dir, make_hydra_entry
+    from longspec.training.entry import implied_config_dir, make_hydra_entry
 
     argv, flags = _take_flags(sys.argv[1:])
     FLAGS.update(flags)

@@ -5,7 +5,7 @@
 prints {"stage", "collator", "max_seq_length", "records": [{"index", "line", "tokens": [[id, text,
 trained], ...], "prompt", "trained", "cut", "chat", "end_of_turn_trained", "untrained_answers"}]}
 (`longspec prepare DIR STAGE --show K` renders it: colour on a terminal, brackets without one).
-The tokens come from longspec.data's own encoder (encode_full), the one owner of them.
+The tokens come from longspec.data.encoding's own encoder (encode_full), the one owner of them.
 
 `first_records_check` is the same look at the first records, summed for the prepared cache's
 manifest, so that `validate` can warn without a tokenizer: chat records whose end of turn is not
@@ -23,19 +23,19 @@ DEFAULT_SHOW = 3
 
 def inspect_record(rec: dict, tokenizer, collator: str, max_seq_length: int) -> dict:
     """One record as the trainer sees it: tokens with their trained flag and the counts."""
-    from longspec import data
-    from longspec.chat import ChatError, split_chat
+    from longspec.data import encoding
+    from longspec.data.chat import ChatError, split_chat
 
     kinds: list[str] = []
-    ids, trained, full = data.encode_full(rec, tokenizer, collator, max_seq_length, kinds)
+    ids, trained, full = encoding.encode_full(rec, tokenizer, collator, max_seq_length, kinds)
     chat = any(k in ("answer", "end") for k in kinds) or collator == "long_cot"
     untrained_answers = 0
     if chat and collator == "long_data" and ("conversation" in rec or "messages" in rec):
-        from longspec.collators import messages_of
+        from longspec.data.collators import messages_of
         try:
             untrained_answers = split_chat(tokenizer, messages_of(
                 rec, "conversation" if "conversation" in rec else "messages")).untrained_answers
-        except (ChatError, data.RecordError):
+        except (ChatError, encoding.RecordError):
             pass
     return {"tokens": [[int(i), tokenizer.decode([i]), bool(t)] for i, t in zip(ids, trained)],
             "prompt": sum(not t for t in trained), "trained": sum(trained), "cut": full - len(ids),
@@ -47,24 +47,24 @@ def inspect_record(rec: dict, tokenizer, collator: str, max_seq_length: int) -> 
 def show_records(path: Path, tokenizer, collator: str, max_seq_length: int, count: int,
                  on_bad_record: str = "error") -> list[dict]:
     """The first `count` usable records of a train file, inspected (bad ones: as the build does)."""
-    from longspec import data
+    from longspec.data import encoding
 
     out: list[dict] = []
-    for index, (line, rec) in enumerate(data.read_records(path, on_bad_record)):
+    for index, (line, rec) in enumerate(encoding.read_records(path, on_bad_record)):
         if len(out) >= count:
             break
         try:
             out.append({"index": index, "line": line if isinstance(line, int) else line.short(),
                         **inspect_record(rec, tokenizer, collator, max_seq_length)})
-        except data.RecordError as e:
+        except encoding.RecordError as e:
             if on_bad_record == "error":
-                raise data.DataError(f"{data.where(path, line)}: {e} (collator {collator})") from None
+                raise encoding.DataError(f"{encoding.where(path, line)}: {e} (collator {collator})") from None
     return out
 
 
 def system_markup(tokenizer) -> list[int]:
     """The token ids a system turn opens with under the tokenizer's chat template ([] without one)."""
-    from longspec.chat import SENTINEL, ChatError, render
+    from longspec.data.chat import SENTINEL, ChatError, render
 
     if not getattr(tokenizer, "chat_template", None):
         return []
@@ -120,8 +120,8 @@ def _take_flags(argv: list[str]) -> list[str]:
 
 
 def run(cfg) -> dict:
-    from longspec.entry import TrainError, read_config
-    from longspec.data import load_tokenizer
+    from longspec.training.entry import TrainError, read_config
+    from longspec.data.encoding import load_tokenizer
 
     conf = read_config(cfg)
     d, train_file = conf["data"], Path(conf["train_file"])
@@ -137,8 +137,8 @@ def run(cfg) -> dict:
 
 
 def guarded(cfg) -> int:
-    from longspec.data import DataError
-    from longspec.entry import EXIT_ERROR, EXIT_INPUT, tool_boundary
+    from longspec.data.encoding import DataError
+    from longspec.training.entry import EXIT_ERROR, EXIT_INPUT, tool_boundary
 
     code, r = tool_boundary(run, cfg, json_out=FLAGS["json"],
                             code_of=lambda e: EXIT_INPUT if isinstance(e, DataError) else EXIT_ERROR)
@@ -148,7 +148,7 @@ def guarded(cfg) -> int:
 
 
 def main() -> None:
-    from longspec.entry import implied_config_dir, make_hydra_entry
+    from longspec.training.entry import implied_config_dir, make_hydra_entry
 
     argv = _take_flags(sys.argv[1:])
     sys.argv = [sys.argv[0]] + implied_config_dir(argv)

@@ -23,7 +23,7 @@ a user mistake prints one `error:` block on stderr and exits 1, and so does a wr
 want of space (the block names the path, the free space left and the checkpoint a rerun resumes
 from; a half-written checkpoint is removed, never marked complete). SIGTERM or SIGUSR1 (a scheduler's
 preemption notice, `longspec stop`) finishes the current optimizer step, saves a checkpoint on every
-rank, writes a `preempted` event and exits 5; a second signal exits at once (longspec/preempt.py).
+rank, writes a `preempted` event and exits 5; a second signal exits at once (longspec/training/preempt.py).
 """
 from __future__ import annotations
 
@@ -33,13 +33,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from longspec import dsconfig, failure, outputs, simtau
-from longspec.dist import print0, progress, rank, seeded, single_process_env, take_local_rank, world_size
-from longspec.entry import TrainError, implied_config_dir, make_hydra_entry, read_config
-from longspec.preempt import EXIT_PREEMPTED, WATCH
-from longspec.preflight import (DTYPES, Origin, Preflight, config_origin, cpu_adam_error, preflight,
+from longspec.training import dsconfig, failure, outputs, simtau
+from longspec.training.dist import print0, progress, rank, seeded, single_process_env, take_local_rank, world_size
+from longspec.training.entry import TrainError, implied_config_dir, make_hydra_entry, read_config
+from longspec.training.preempt import EXIT_PREEMPTED, WATCH
+from longspec.training.preflight import (DTYPES, Origin, Preflight, config_origin, cpu_adam_error, preflight,
                                 training_config_yaml, wants_offload)
-from longspec.resume import decide_resume
+from longspec.training.resume import decide_resume
 from longspec_cli.core import runfolder
 from longspec_cli.core.mathkeys import math_config
 
@@ -164,7 +164,7 @@ class Session:
         matmuls (the loss runs in fp32); what was chosen goes into the log and the start event."""
         import torch
 
-        from longspec import kernels
+        from longspec.model import kernels
 
         kernels.set_mode(self.conf["kernels"])
         device = "cpu" if self.on_cpu else accel.device_name()
@@ -180,9 +180,9 @@ class Session:
         return {**chosen, "tf32": "on" if on_cuda else "off"}
 
     def _loader(self, epoch: int, skip: int):
-        from longspec import data
+        from longspec.data import encoding
 
-        return data.make_loader(self.dataset, self.conf["per_gpu_train_batch_size"],
+        return encoding.make_loader(self.dataset, self.conf["per_gpu_train_batch_size"],
                                 seed=self.conf["seed"], rank=self.rank, world_size=self.world,
                                 pad_token_id=self.pad_id, skip_batches=skip, epoch=epoch)
 
@@ -190,9 +190,9 @@ class Session:
         import deepspeed
         import torch
 
-        from longspec.checkpoint import load_draft_weights
-        from longspec.model import build_glide
-        from longspec.zero import parameter_bytes
+        from longspec.model.checkpoint import load_draft_weights
+        from longspec.model.glide import build_glide
+        from longspec.model.zero import parameter_bytes
 
         conf = self.conf
         torch.manual_seed(conf["seed"])                  # the same fresh draft on every rank
@@ -228,7 +228,7 @@ class Session:
         print0(f"[{self.conf['stage']}] resumed from {ckpt.path} at step {self.step}")
 
     def _max_offset(self) -> int:
-        from longspec.positions import default_max_offset
+        from longspec.training.positions import default_max_offset
 
         p = self.conf["positions"]
         if p["max_offset"] is not None:
@@ -246,7 +246,7 @@ class Session:
             epoch, skip = epoch + 1, 0
 
     def positions(self, batch: int, seq: int, micro: int):
-        from longspec.positions import anchor_offset_position_ids, plain_position_ids
+        from longspec.training.positions import anchor_offset_position_ids, plain_position_ids
 
         p = self.conf["positions"]
         if p["mode"] == "plain":
@@ -258,7 +258,7 @@ class Session:
     def train(self) -> None:
         import torch
 
-        from longspec.positions import sample_cross_lag
+        from longspec.training.positions import sample_cross_lag
 
         conf, engine = self.conf, self.engine
         ga = conf["gradient_accumulation_steps"]
@@ -334,7 +334,7 @@ class Session:
     def save_checkpoint(self) -> None:
         import torch
 
-        from longspec.checkpoint import save_draft
+        from longspec.model.checkpoint import save_draft
 
         path = self.out.checkpoint_dir(self.step)
         progress["writing"] = path
@@ -374,7 +374,7 @@ class Session:
     def finish(self) -> None:
         import torch
 
-        from longspec.checkpoint import WEIGHTS_NAME, save_draft
+        from longspec.model.checkpoint import WEIGHTS_NAME, save_draft
 
         state = self.saved[1] if self.saved and self.saved[0] == self.step else self.draft_state()
         if self.rank == 0:
@@ -430,7 +430,7 @@ def _clock(seconds: float) -> str:
 # ----------------------------------------------------------------------------- entry point
 
 def guarded(cfg) -> int:
-    """run() inside the trainer's error boundary (longspec.failure)."""
+    """run() inside the trainer's error boundary (longspec.training.failure)."""
     return failure.guarded(run, cfg)
 
 

@@ -33,7 +33,7 @@ SPLITS = ("train", "test", "validation", "valid", "dev", "eval")
 PYARROW_HINT = "pip install 'longspec[train]' (pyarrow reads parquet and arrow files)"
 
 # The columns (fields) each collator reads: a record holding every field of one alternative fits
-# (longspec.collators applies them record by record; tests/trainer/test_data.py holds the two together).
+# (longspec.data.collators applies them record by record; tests/trainer/test_data.py holds the two together).
 COLLATOR_COLUMNS: dict[str, tuple[tuple[str, ...], ...]] = {
     "short_text": (("text",), ("target",)),
     "long_data": (("text",), ("article", "abstract"), ("conversation",), ("messages",)),

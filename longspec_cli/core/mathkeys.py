@@ -8,7 +8,7 @@
 Math keys (model, data, optimiser, schedule, precision, seeds: everything not listed below) are
 what a checkpoint or a finished stage was trained with; a difference in any other key (saving,
 logging, tracking, eval, kernels, the stage's label) changes nothing that was trained. The trainer
-saves `math_config` in each checkpoint.json and in stage_complete.json; a resume (longspec.resume)
+saves `math_config` in each checkpoint.json and in stage_complete.json; a resume (longspec.training.resume)
 and `longspec status` compare against it, both through this module. Pure: no torch, no Hydra.
 """
 
@@ -66,7 +66,7 @@ def show_changes(theirs: dict, ours: dict, keys: list[str]) -> str:
 def resume_blockers(saved: dict[str, Any], ours: dict[str, Any], resume_schedule: Any) -> tuple[list[str], list[str]]:
     """(math keys that refuse the resume, schedule-length keys that refuse it) between a checkpoint's
     `math` and the config now: the schedule's length resumes only with resume_schedule=stretch.
-    The trainer (longspec.resume) and `run`'s planner both decide through this."""
+    The trainer (longspec.training.resume) and `run`'s planner both decide through this."""
     changed = differences(saved, ours)
     other = [k for k in changed if k not in SCHEDULE_LENGTH_KEYS]
     schedule = [k for k in changed if k in SCHEDULE_LENGTH_KEYS and resume_schedule != "stretch"]

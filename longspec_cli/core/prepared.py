@@ -183,7 +183,7 @@ def steps_per_epoch(records: int, micro: int, ga: int, world: int) -> int:
 
 
 def planned_steps(conf: dict, records: int, world: int) -> int:
-    """Optimizer steps the stage will run (longspec.dsconfig.plan_steps' rule)."""
+    """Optimizer steps the stage will run (longspec.training.dsconfig.plan_steps' rule)."""
     ga = _int(conf.get("gradient_accumulation_steps"), 1)
     if _int(conf.get("max_steps"), 0) > 0:
         return _int(conf.get("max_steps"), 0)
@@ -228,12 +228,12 @@ class PreparedState:
 
 
 def collator_version() -> int | None:
-    """longspec.data.COLLATOR_VERSION, read from the module's source (importing it loads torch)."""
+    """longspec.data.encoding.COLLATOR_VERSION, read from the module's source (importing it loads torch)."""
     import importlib.util
     import re
 
     try:
-        spec = importlib.util.find_spec("longspec.data")
+        spec = importlib.util.find_spec("longspec.data.encoding")
         text = Path(spec.origin).read_text(encoding="utf-8") if spec and spec.origin else ""
     except (ImportError, OSError, ValueError):
         return None

@@ -33,7 +33,7 @@ SHA256_CACHE = "sha256.json"  # under atomic.cache_root()
 BEST_DIR = "best"  # the draft with the highest simulated tau of the stage (best/draft_model_weights.pth)
 BEST_INFO = "best.json"  # in the run folder, written after best/'s weights: step, tau, alpha, sha256
 HELDOUT = "heldout.json"  # the held-out records of the simulated-tau evaluation (fixed for the run)
-CONTINUATIONS = "continuations.json"  # the target's greedy continuations of eval's default prompts (longspec.chainwalk)
+CONTINUATIONS = "continuations.json"  # the target's greedy continuations of eval's default prompts (longspec.measure.chainwalk)
 SIMTAU = "simtau"  # the `record` field of a simulated-tau metrics line
 _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 

@@ -1,7 +1,7 @@
 """Target families longspec can train a GLIDE draft for, and what a target folder says about itself.
 
 Pure (JSON only, no torch or transformers): `init --target`, `validate` and the trainer read the
-supported families and the refusal sentence from here; `longspec.families` holds, per family,
+supported families and the refusal sentence from here; `longspec.model.families` holds, per family,
 how the draft gets at the target's parts.
 
     info = read_target(Path("/models/Qwen3-8B"))   # config.json + tokenizer files
@@ -17,7 +17,7 @@ from typing import Any
 
 from longspec_cli.errors import InputError, RefusedError
 
-# model_type values of the targets a draft can be built for (longspec.families has one entry each).
+# model_type values of the targets a draft can be built for (longspec.model.families has one entry each).
 SUPPORTED_FAMILIES = ("qwen2", "llama", "qwen3", "mistral")
 # The draft's MLP is SwiGLU: the target's MLP activation must be SiLU.
 SUPPORTED_ACTIVATIONS = ("silu",)

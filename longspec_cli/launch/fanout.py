@@ -34,7 +34,7 @@ from longspec_cli.launch import nodes as N
 FAULT_GRACE_S = 2.0  # after a node's fault: time for the others to end (and say how) by themselves
 KILL_WAIT_S = 10.0  # after `kill`: time for the nodes' launchers to end before the hosts are cleaned up
 PREEMPT_WAIT_S = 600.0  # after a node saved and exited 5: time for the others to do the same
-ECHO_S = 2.0  # a second stop request within this is the same request (longspec/preempt.py)
+ECHO_S = 2.0  # a second stop request within this is the same request (longspec/training/preempt.py)
 NODE_MARK = "LONGSPEC-NODE "  # longspec/nodelaunch.py's report
 EXIT_OK, EXIT_FAULT, EXIT_PREEMPTED, EXIT_STOPPED = 0, 4, 5, 130
 

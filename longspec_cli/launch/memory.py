@@ -10,8 +10,8 @@
                 flash: none), the target's last-layer K/V and final hidden state, the loss chunk
     peak        persistent + max(phase A, phase B)
 
-The layer shapes follow longspec/model.py (self-attn + cross-attn with q/k/v biases, SwiGLU MLP,
-three RMSNorms; the cross-attn k/v projections are frozen) and longspec/kernels.py (SDPA chunked
+The layer shapes follow longspec/model/glide.py (self-attn + cross-attn with q/k/v biases, SwiGLU MLP,
+three RMSNorms; the cross-attn k/v projections are frozen) and longspec/model/kernels.py (SDPA chunked
 over queries with a boolean mask, linear cross-entropy in fp32 chunks of 1024 rows by default).
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 GiB = 1024 ** 3
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 RUNTIME_BYTES = int(2.0 * GiB)  # CUDA context + NCCL buffers + caching-allocator slack
-DEFAULT_CE_CHUNK = 1024  # rows of fp32 logits per chunk (longspec/kernels.py)
+DEFAULT_CE_CHUNK = 1024  # rows of fp32 logits per chunk (longspec/model/kernels.py)
 ZERO12_REDUCE_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements)
 
 

@@ -7,7 +7,7 @@ the file and echoes it, with a progress line from metrics.jsonl.
 
 Ctrl-C (or SIGTERM to `longspec run`): SIGTERM to the training ranks only (never to DeepSpeed's
 launchers, which would kill the ranks 30 s later): each rank finishes its optimizer step, saves a
-checkpoint and exits 5 (longspec/preempt.py), and the launchers follow. A second Ctrl-C stops at
+checkpoint and exits 5 (longspec/training/preempt.py), and the launchers follow. A second Ctrl-C stops at
 once: SIGINT to the group, then SIGTERM, then SIGKILL after timeouts, until no process of the
 group is left (a further Ctrl-C skips to the next signal). Without a trainer rank in the group the
 first Ctrl-C stops at once too.

@@ -16,7 +16,7 @@ Stop signals, none lost (the script's own comments say the same, where it does i
 - `#SBATCH --signal=B:USR1@S`: SLURM sends SIGUSR1 to the batch shell S seconds before the time
   limit. The shell traps USR1 and TERM before anything else runs; a stage that runs gets the
   signal passed on once (`scancel --signal` to the job's steps, or `kill` to the one-node
-  launcher); the ranks save at their step and exit 5 (longspec/preempt.py).
+  launcher); the ranks save at their step and exit 5 (longspec/training/preempt.py).
 - A signal between stages (during `next-stage`) is remembered; the job requeues itself before the
   next stage starts. A request in a stage's last step lets the stage finish (it is done); the job
   then requeues itself before the next one.
@@ -39,7 +39,7 @@ from pathlib import Path
 from longspec_cli.launch.argv import encode_world_info
 
 NODE_LAUNCHER = "longspec.nodelaunch"
-EXIT_PREEMPTED = 5  # longspec/preempt.py (the CLI never imports the trainer)
+EXIT_PREEMPTED = 5  # longspec/training/preempt.py (the CLI never imports the trainer)
 SIGNAL_AHEAD_S = 300  # SIGUSR1 this long before the time limit: time for one step and one save
 MAX_SIGNAL_S = 65535  # sbatch's limit for --signal's time
 # The per-node part under srun: the only text here that is not an argv element. "$@" carries every argument.

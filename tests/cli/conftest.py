@@ -25,7 +25,7 @@ from longspec_cli.core.runfolder import config_fingerprint
 ROOT = Path(__file__).resolve().parents[2]
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
-# A tiny qwen2 config.json: enough for longspec.model.DraftConfig.from_target_config.
+# A tiny qwen2 config.json: enough for longspec.model.glide.DraftConfig.from_target_config.
 TINY_TARGET_CONFIG = {
     "model_type": "qwen2", "hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2,
     "num_key_value_heads": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 4096,
@@ -41,7 +41,7 @@ for i in range(3):
     torch.save({"w": torch.randn(4, 4), "b": torch.randn(4)}, out / f"plain{i}.pth")
 try:
     from types import SimpleNamespace
-    from longspec.model import DraftConfig, GlideDraft
+    from longspec.model.glide import DraftConfig, GlideDraft
     cfg = DraftConfig.from_target_config(SimpleNamespace(**json.loads(sys.argv[2])))
     torch.manual_seed(0)
     torch.save(GlideDraft(cfg).state_dict(), out / "glide.pth")

@@ -209,8 +209,8 @@ _FINISH = r"""
 import json, sys, torch
 from pathlib import Path
 from transformers import AutoConfig
-from longspec.checkpoint import save_draft
-from longspec.model import DraftConfig, GlideDraft
+from longspec.model.checkpoint import save_draft
+from longspec.model.glide import DraftConfig, GlideDraft
 from longspec_cli.core.atomic import sha256_file
 from longspec_cli.core.runfolder import config_fingerprint
 stage, collator, seed, target, out, exp, train_file, upstream_sha = sys.argv[1:9]

@@ -27,7 +27,7 @@ from longspec_cli.app import app
 from longspec_cli.core.validate import validate_paths
 
 runner = CliRunner()
-entry = pytest.importorskip("longspec.entry")
+entry = pytest.importorskip("longspec.training.entry")
 
 DS = """\
 train_micro_batch_size_per_gpu: ${per_gpu_train_batch_size}
@@ -166,7 +166,7 @@ def trainer_side(proj: Path, overrides: list[str], monkeypatch) -> dict:
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    from longspec import dsconfig
+    from longspec.training import dsconfig
 
     got: dict = {"composed": False}
 

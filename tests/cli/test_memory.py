@@ -46,7 +46,7 @@ def test_llama_target_has_no_qkv_bias():
 
 def test_draft_params_match_the_glide_block():
     pytest.importorskip("torch")
-    model = pytest.importorskip("longspec.model")
+    model = pytest.importorskip("longspec.model.glide")
     size = M.ModelSize(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=512)
     draft = model.GlideDraft(model.DraftConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                                num_key_value_heads=2, head_dim=16))

@@ -2,7 +2,7 @@
 ``install``: what the ``fused_standins`` fixture (tests/trainer/conftest.py) does.
 
 ``install`` puts the stand-ins in ``sys.modules`` under the libraries' own names and counts CPU
-tensors as fused-capable in ``longspec.kernels.fused_device`` -- the one device predicate of the
+tensors as fused-capable in ``longspec.model.kernels.fused_device`` -- the one device predicate of the
 dispatch -- so the project's own dispatch takes its CUDA path on a CPU. Nothing in ``longspec``
 knows about the stand-ins; users' runs never see them.
 """
@@ -17,13 +17,13 @@ LONGSPEC = Path(__file__).resolve().parents[2] / "longspec"
 
 def record_caller(callers: list) -> None:
     """Append the longspec frames that led to this call, innermost first, as a tuple of
-    (file under longspec/, function); ``callers[i][0]`` is the call site itself."""
+    (file under longspec/ as a relative path, function); ``callers[i][0]`` is the call site itself."""
     chain = []
     frame = sys._getframe(2)
     while frame is not None:
         path = Path(frame.f_code.co_filename)
-        if path.parent == LONGSPEC:
-            chain.append((path.name, frame.f_code.co_name))
+        if LONGSPEC in path.parents:
+            chain.append((path.relative_to(LONGSPEC).as_posix(), frame.f_code.co_name))
         frame = frame.f_back
     callers.append(tuple(chain) or (("<outside longspec>", ""),))
 
@@ -42,7 +42,7 @@ def install(monkeypatch) -> types.SimpleNamespace:
     """Stand-ins in place for the test's duration; returns their modules (``.flash``, ``.liger``)."""
     import importlib.machinery
 
-    from longspec import kernels
+    from longspec.model import kernels
     from tests.standins import flash_attn_standin as flash
     from tests.standins import liger_standin as liger
 
@@ -70,7 +70,7 @@ def install(monkeypatch) -> types.SimpleNamespace:
 
 def uninstall() -> None:
     """Forget the stand-ins the dispatch cached (monkeypatch restores sys.modules and the predicate)."""
-    from longspec import kernels
+    from longspec.model import kernels
 
     kernels._flash_attn_func.cache_clear()
     kernels._liger_loss_cls.cache_clear()

@@ -1,4 +1,4 @@
-"""Tiny real transformers targets (one per family in longspec.families), built in-process from
+"""Tiny real transformers targets (one per family in longspec.model.families), built in-process from
 configs, seeded.
 
 Nothing is downloaded: the models are random-init ``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` /

@@ -1,6 +1,6 @@
 """An independent, dense GLIDE block and loss, written from the LongSpec paper's equations.
 
-Nothing here comes from longspec.model, longspec.target or longspec.kernels: every mask is an
+Nothing here comes from longspec.model.glide, longspec.model.target or longspec.model.kernels: every mask is an
 explicit (T, S) boolean matrix, attention is softmax(QK^T / sqrt(d) + mask) V over repeated KV
 heads, the target's last-layer keys/values are recomputed from the Hugging Face model's own
 modules, and the loss is the cross-entropy of full logits. It is slow and memory-hungry on

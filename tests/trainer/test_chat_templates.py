@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from longspec.chat import split_chat
-from longspec.data import DataError, build_dataset
+from longspec.data.chat import split_chat
+from longspec.data.encoding import DataError, build_dataset
 from longspec.tiny import build_tiny
 
 IGNORE = -100

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from longspec.checkpoint import (
+from longspec.model.checkpoint import (
     SAFETENSORS_NAME,
     WEIGHTS_NAME,
     DraftLoadError,
@@ -20,7 +20,7 @@ from longspec.checkpoint import (
     save_draft,
     save_hf_draft,
 )
-from longspec.model import DraftConfig, GlideDraft
+from longspec.model.glide import DraftConfig, GlideDraft
 from tests.trainer.conftest import make_tiny_target
 from tests.trainer.test_model import REFERENCE_KEYS
 

@@ -1,4 +1,4 @@
-"""longspec.data with the real tiny tokenizer: labels per record kind, truncation, EOS, bad input,
+"""longspec.data.encoding with the real tiny tokenizer: labels per record kind, truncation, EOS, bad input,
 JSON arrays, padding and the sharded loader."""
 
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from longspec.data import (DataError, build_dataset, collate, encode_record, make_loader,
+from longspec.data.encoding import (DataError, build_dataset, collate, encode_record, make_loader,
                            read_records)
 from longspec.tiny import build_tiny
 
@@ -311,8 +311,8 @@ def test_loader_shards_shuffles_and_resumes(tmp_path, tok):
 
 
 def test_the_column_table_validate_reads_is_what_the_collators_accept(tok):
-    """core.datafiles.COLLATOR_COLUMNS (validate's column check) against longspec.collators, record by record."""
-    from longspec.collators import RecordError
+    """core.datafiles.COLLATOR_COLUMNS (validate's column check) against longspec.data.collators, record by record."""
+    from longspec.data.collators import RecordError
     from longspec_cli.core.datafiles import COLLATOR_COLUMNS
 
     chat = [{"role": "user", "content": "add 1 and 2 ."}, {"role": "assistant", "content": "3 ."}]

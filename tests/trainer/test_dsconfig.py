@@ -1,4 +1,4 @@
-"""longspec.dsconfig: key checks, step planning and the DeepSpeed block built from trainer keys.
+"""longspec.training.dsconfig: key checks, step planning and the DeepSpeed block built from trainer keys.
 
 Pure functions on plain dicts; the defaults come from the real longspec/conf/config.yaml.
 """
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from longspec import dsconfig
+from longspec.training import dsconfig
 
 CONFIG = Path(__file__).resolve().parents[2] / "longspec" / "conf" / "config.yaml"
 TEMPLATES = Path(__file__).resolve().parents[2] / "templates" / "deepspeed"

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from longspec import benchfiles, evalreport, prompts as P
+from longspec.measure import benchfiles, evalreport, prompts as P
 from tests.hubfiles import write_aime_parquet, write_parquet_shards, zip_longbench
 
 
@@ -185,7 +185,7 @@ def test_stage_prompts_from_parquet_name_file_and_row(tok, tmp_path):
 
 
 def test_decoding_stops_at_the_end_of_turn_or_the_eos():
-    from longspec.spec_decode import _finish
+    from longspec.decode.spec_decode import _finish
 
     assert _finish([5, 2, 7], 10, (0, 2)) == ([5, 2], True)       # the end-of-turn token, kept
     assert _finish([5, 0, 2], 10, (0, 2)) == ([5, 0], True)       # the EOS

@@ -1,6 +1,6 @@
 """Export of a stage's draft: HF folder (released-LongSpec layout) and a plain .safetensors file.
 
-Round trips go through longspec.checkpoint.load_draft_state and must give identical tensors.
+Round trips go through longspec.model.checkpoint.load_draft_state and must give identical tensors.
 The HF folder is also loaded the way the reference inference code loads a released draft: a
 PreTrainedModel whose config class is the target family's and whose state dict is the bare
 decoder block (built here from transformers' modules in the reference layout, not from
@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from longspec.checkpoint import load_draft_state, save_draft
+from longspec.model.checkpoint import load_draft_state, save_draft
 from longspec.evaluate import EvalError
 from longspec.export import export_draft
-from longspec.model import DraftConfig, GlideDraft
+from longspec.model.glide import DraftConfig, GlideDraft
 from tests.trainer.conftest import ROPE_THETA, head_dim, make_tiny_target
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,7 +60,7 @@ def reference_style_loader(family: str):
     """A decoder-block PreTrainedModel laid out like the reference's <Family>GlideDecoderLayer
     (LongSpec train/models/qwen2_glide.py:392-411, GlideAttention at :53-56), built from
     transformers' own MLP and RMSNorm classes of the family and plain nn.Linear projections:
-    nothing of longspec.model, so a layout drift on our side shows up as missing/unexpected keys.
+    nothing of longspec.model.glide, so a layout drift on our side shows up as missing/unexpected keys.
     Qwen2/Llama: the reference layout (q/k/v bias in both families). Qwen3/Mistral (no reference
     draft): their own layer's layout, no bias, Qwen3 with per-head q/k norms."""
     import importlib

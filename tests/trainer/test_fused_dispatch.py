@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longspec import kernels, tree_attn
-from longspec.spec_decode import GlideProposer, greedy_decode, new_cache, speculative_decode
-from longspec.tree_decode import GlideTreeProposer, TokenTree, prefill_logits, tree_decode, verify_tree
+from longspec.model import kernels
+from longspec.decode import tree_attn
+from longspec.decode.spec_decode import GlideProposer, greedy_decode, new_cache, speculative_decode
+from longspec.decode.tree_decode import GlideTreeProposer, TokenTree, prefill_logits, tree_decode, verify_tree
 from tests.standins import reached_from, sites
 from tests.trainer.conftest import make_tiny_target
 from tests.trainer.test_spec_decode import _deterministic, prompt, random_glide  # noqa: F401 (fixture)
@@ -28,8 +29,8 @@ def test_chain_decode_with_a_flash_draft_equals_greedy(family, fused_standins):
         glide.draft.to(torch.bfloat16)
         got = speculative_decode(target, GlideProposer(glide.target, glide.draft), p, 3, 30)
         assert got.tokens == ref.tokens
-    assert reached_from(fused_standins.flash.CALLERS, "spec_decode.py")
-    assert sites(fused_standins.flash.CALLERS) == {("kernels.py", "_flash_attention")}
+    assert reached_from(fused_standins.flash.CALLERS, "decode/spec_decode.py")
+    assert sites(fused_standins.flash.CALLERS) == {("model/kernels.py", "_flash_attention")}
 
 
 def test_tree_decode_under_the_standins_equals_greedy(family, fused_standins):
@@ -46,8 +47,8 @@ def test_tree_decode_under_the_standins_equals_greedy(family, fused_standins):
         glide.draft.to(torch.float16)
         got = tree_decode(target, GlideTreeProposer(glide.target, glide.draft), p, (2, 3, 1), 30)
         assert got.tokens == ref.tokens
-    assert ("tree_attn.py", "_flash_prefix") in sites(fused_standins.flash.CALLERS)
-    assert reached_from(fused_standins.flash.CALLERS, "tree_decode.py")
+    assert ("decode/tree_attn.py", "_flash_prefix") in sites(fused_standins.flash.CALLERS)
+    assert reached_from(fused_standins.flash.CALLERS, "decode/tree_decode.py")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -66,7 +67,7 @@ def test_hybrid_verify_logits_match_the_models_own_attention(family, fused_stand
         cache = new_cache()
         prefill_logits(model, p, cache)
         outs.append(verify_tree(model, tree, cache))
-    assert ("tree_attn.py", "_flash_prefix") in sites(fused_standins.flash.CALLERS)
+    assert ("decode/tree_attn.py", "_flash_prefix") in sites(fused_standins.flash.CALLERS)
     scale = outs[0].abs().max()
     torch.testing.assert_close(outs[1] / scale, outs[0] / scale, atol=3e-2, rtol=0)
 
@@ -83,7 +84,7 @@ def test_fp32_tree_verify_takes_the_exact_path(family, fused_standins):
         got = tree_decode(target, GlideTreeProposer(glide.target, glide.draft), p, (2, 3, 1), 30)
         assert got.tokens == ref.tokens
     assert backend == "exact" and not tree_attn.installed(target)       # eval.json's backend.tree_verify
-    assert not reached_from(fused_standins.flash.CALLERS, "tree_attn.py")
+    assert not reached_from(fused_standins.flash.CALLERS, "decode/tree_attn.py")
 
 
 def test_fp32_never_reaches_flash_in_the_tree_attention(fused_standins):
@@ -117,7 +118,7 @@ def test_the_dispatch_routes_fp32_away_from_flash(fused_standins):
     kernels.attention(q, k, v, window=3)
     assert fused_standins.flash.CALLERS == []
     kernels.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), window=3)
-    assert sites(fused_standins.flash.CALLERS) == {("kernels.py", "_flash_attention")}
+    assert sites(fused_standins.flash.CALLERS) == {("model/kernels.py", "_flash_attention")}
     kernels.set_mode("fused")
     try:
         with pytest.raises(kernels.KernelUnavailable, match="fp16 or bf16"):

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from longspec import kernels
+from longspec.model import kernels
 
 # ----------------------------------------------------------------------------- naive references
 

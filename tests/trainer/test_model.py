@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from longspec.model import DraftConfig, GlideDraft, GlideModel, build_glide
-from longspec.positions import anchor_offset_position_ids
-from longspec.target import TargetWrapper
+from longspec.model.glide import DraftConfig, GlideDraft, GlideModel, build_glide
+from longspec.training.positions import anchor_offset_position_ids
+from longspec.model.target import TargetWrapper
 from tests.trainer.conftest import ROPE_THETA, TINY_DIMS, head_dim, make_tiny_target
 
 # The LongSpec reference draft layer (Qwen2GlideDecoderLayer / LlamaGlideDecoderLayer): both
@@ -164,7 +164,7 @@ def test_draft_attention_mirrors_the_target_layer(family, tiny_target):
     out = model.target(ids, pos)
     hook.remove()
     cos, sin = model.target.rotary(pos, seen["x"])
-    from longspec.model import apply_rope
+    from longspec.model.glide import apply_rope
 
     torch.testing.assert_close(apply_rope(sa.heads(sa.k_proj, seen["x"]), cos, sin), out.k)
 
@@ -300,7 +300,7 @@ def test_mismatched_draft_is_refused():
 
 
 def test_build_glide_from_folder_with_draft(tmp_path, tiny_target):
-    from longspec.checkpoint import save_draft
+    from longspec.model.checkpoint import save_draft
 
     tiny_target.save_pretrained(tmp_path / "target")
     first = build_glide(tmp_path / "target", sliding_window=8, dtype=torch.float32)
@@ -328,7 +328,7 @@ def _zero3_worker(rank: int, world: int, port: int) -> None:
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_grad
 
-    from longspec.checkpoint import gather_draft_state
+    from longspec.model.checkpoint import gather_draft_state
 
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(1)

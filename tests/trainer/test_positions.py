@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longspec.positions import (
+from longspec.training.positions import (
     anchor_offset_position_ids,
     default_max_offset,
     plain_position_ids,

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from longspec import data, prepare, records
+from longspec.data import encoding, records
+from longspec import prepare
 from longspec_cli.core import prepared as P
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,7 +31,7 @@ def tiny(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def tok(tiny):
-    return data.load_tokenizer(str(tiny["target"]))
+    return encoding.load_tokenizer(str(tiny["target"]))
 
 
 @pytest.fixture(autouse=True)
@@ -43,7 +44,7 @@ def opts(collator: str, seq: int, **kw) -> dict:
 
 
 def batches(ds, rank: int, world: int, skip: int, epoch: int):
-    loader = data.make_loader(ds, batch_size=3, seed=7, rank=rank, world_size=world, pad_token_id=0,
+    loader = encoding.make_loader(ds, batch_size=3, seed=7, rank=rank, world_size=world, pad_token_id=0,
                               skip_batches=skip, epoch=epoch)
     return list(loader)
 
@@ -52,7 +53,7 @@ def batches(ds, rank: int, world: int, skip: int, epoch: int):
 def test_prepared_cache_gives_the_in_memory_batches_resume_skips_included(stage, tiny, tok):
     collator, seq = STAGES[stage]
     path = Path(tiny["data"][stage])
-    mem = data.build_dataset(path, tok, collator, seq)
+    mem = encoding.build_dataset(path, tok, collator, seq)
     ds, man, built = prepare.ensure(path, str(tiny["target"]), opts(collator, seq), tokenizer=tok,
                                     progress=False)
     assert built and len(ds) == len(mem) == man["records"]
@@ -88,7 +89,7 @@ def test_changed_source_and_damaged_cache_are_rebuilt_never_used(tiny, tok, tmp_
     with src.open("a") as f:                                          # the train file changes
         f.write(json.dumps({"text": "one more record for the stale check"}) + "\n")
     with pytest.raises(P.CacheProblem, match="stale"):
-        P.check(ds.folder, fields, data.COLLATOR_VERSION)
+        P.check(ds.folder, fields, encoding.COLLATOR_VERSION)
     ds, man, built = prepare.ensure(src, str(tiny["target"]), o, tokenizer=tok, progress=False)
     assert built and man["records"] == 3
 
@@ -96,7 +97,7 @@ def test_changed_source_and_damaged_cache_are_rebuilt_never_used(tiny, tok, tmp_
     with tokens.open("r+b") as f:
         f.truncate(tokens.stat().st_size - 2)
     with pytest.raises(P.CacheProblem, match="corrupt"):
-        P.check(ds.folder, fields, data.COLLATOR_VERSION)
+        P.check(ds.folder, fields, encoding.COLLATOR_VERSION)
     ds, man, built = prepare.ensure(src, str(tiny["target"]), o, tokenizer=tok, progress=False)
     assert built and len(ds) == 3
 
@@ -105,14 +106,14 @@ def test_changed_source_and_damaged_cache_are_rebuilt_never_used(tiny, tok, tmp_
     raw[0] ^= 1
     mask.write_bytes(bytes(raw))
     with pytest.raises(P.CacheProblem, match="checksum"):
-        P.check(ds.folder, fields, data.COLLATOR_VERSION)
+        P.check(ds.folder, fields, encoding.COLLATOR_VERSION)
     assert prepare.ensure(src, str(tiny["target"]), o, tokenizer=tok, progress=False)[2]
 
 
 def test_bad_record_names_file_and_line_in_error_and_skip_mode(tiny, tok, tmp_path):
     src = tmp_path / "bad.jsonl"
     src.write_text('{"text": "fine"}\n{"nope": 1}\n{"text": "also fine"}\n')
-    with pytest.raises(data.DataError, match=r"bad\.jsonl:2: missing field 'text'"):
+    with pytest.raises(encoding.DataError, match=r"bad\.jsonl:2: missing field 'text'"):
         prepare.ensure(src, str(tiny["target"]), opts("short_text", 64), tokenizer=tok, progress=False)
     assert not list((tmp_path / "cache" / "prepared").glob("*/manifest.json"))
     ds, man, _ = prepare.ensure(src, str(tiny["target"]), opts("short_text", 64, on_bad_record="skip"),
@@ -151,19 +152,19 @@ def test_hub_layouts_give_the_jsonl_cache_and_every_shard_is_in_its_key(tiny, to
     glob = str(tmp_path / "SlimPajama" / "data" / "train-*.parquet")
     fields = P.key_fields(glob, target, opts(*STAGES["base"]))
     folder = P.cache_dir(fields)
-    assert "*" not in folder.name and P.check(folder, fields, data.COLLATOR_VERSION)["records"] == 600
-    with pytest.raises(data.DataError, match="splits test, train"):      # the folder holds two splits
-        list(data.read_records(tmp_path / "SlimPajama" / "data"))
+    assert "*" not in folder.name and P.check(folder, fields, encoding.COLLATOR_VERSION)["records"] == 600
+    with pytest.raises(encoding.DataError, match="splits test, train"):      # the folder holds two splits
+        list(encoding.read_records(tmp_path / "SlimPajama" / "data"))
     os.utime(shards[0])                                                 # touched, same bytes: still ready
-    assert P.check(folder, fields, data.COLLATOR_VERSION)
+    assert P.check(folder, fields, encoding.COLLATOR_VERSION)
     extra = write_parquet_shards(slim[:3], tmp_path / "extra", shards=1)[0]
     extra.rename(shards[0].parent / "train-00002-of-00002.parquet")     # a shard more
     with pytest.raises(P.CacheProblem, match=r"stale: the files of train-\*\.parquet changed .*added train-00002"):
-        P.check(folder, fields, data.COLLATOR_VERSION)
+        P.check(folder, fields, encoding.COLLATOR_VERSION)
     (shards[0].parent / "train-00002-of-00002.parquet").unlink()
     write_parquet_shards(slim[:300] + [{"text": "x"}] + slim[301:], shards[0].parent, shards=2, row_group=128)  # shard 0 rewritten alike
     with pytest.raises(P.CacheProblem, match="stale: train-00001-of-00002.parquet changed"):
-        P.check(folder, fields, data.COLLATOR_VERSION)
+        P.check(folder, fields, encoding.COLLATOR_VERSION)
 
 
 def test_bad_rows_of_a_table_are_named_by_file_and_row(tiny, tok, tmp_path):
@@ -172,15 +173,15 @@ def test_bad_rows_of_a_table_are_named_by_file_and_row(tiny, tok, tmp_path):
     recs = [{"problem": "add 1 and 2 .", "qwq": "it is 3 ."}, {"problem": "add 2 and 2 ."},
             {"problem": "add 3 and 2 .", "qwq": "it is 5 ."}]
     path = write_parquet_shards(recs, tmp_path / "cot", shards=1)[0]
-    with pytest.raises(data.DataError, match=rf"{path}:row 1: missing field 'qwq' \(collator long_cot\)"):
+    with pytest.raises(encoding.DataError, match=rf"{path}:row 1: missing field 'qwq' \(collator long_cot\)"):
         prepare.ensure(path.parent, str(tiny["target"]), opts("long_cot", 64), tokenizer=tok, progress=False)
     ds, man, _ = prepare.ensure(path.parent, str(tiny["target"]), opts("long_cot", 64, on_bad_record="skip"),
                                 tokenizer=tok, progress=False)
     assert len(ds) == 2 and man["skipped"] == 1 and man["problems"][0].startswith(f"{path}:row 1:")
     cut = tmp_path / "cut.parquet"
     cut.write_bytes(path.read_bytes()[:-30])                           # copied halfway
-    with pytest.raises(data.DataError, match="not a complete parquet file"):
-        list(data.read_records(cut))
+    with pytest.raises(encoding.DataError, match="not a complete parquet file"):
+        list(encoding.read_records(cut))
 
 
 def big_jsonl(path: Path, mb: int) -> Path:
@@ -249,12 +250,12 @@ def test_json_array_read_in_small_chunks_gives_the_whole_read_records(tmp_path, 
     recs = [{"text": f"record {i} " + "x" * (i % 37), "n": 10 ** (i % 9)} for i in range(300)]
     path = tmp_path / "a.json"
     path.write_text("[\n" + ",\n".join(json.dumps(r, indent=1) for r in recs) + "\n]\n")
-    whole = list(data.read_records(path))
+    whole = list(encoding.read_records(path))
     monkeypatch.setattr(records, "ARRAY_CHUNK", 5)            # every record spans several chunks
-    assert list(data.read_records(path)) == whole and [r for _, r in whole] == recs
+    assert list(encoding.read_records(path)) == whole and [r for _, r in whole] == recs
     path.write_text('[{"text": "a"},\n{"text": "b"}\n{"text": "c"}]')
-    with pytest.raises(data.DataError, match=r"a\.json:3: expected ',' or ']'"):
-        list(data.read_records(path))
+    with pytest.raises(encoding.DataError, match=r"a\.json:3: expected ',' or ']'"):
+        list(encoding.read_records(path))
 
 
 def test_a_full_disk_mid_build_leaves_no_cache_and_says_so(tiny, tok, tmp_path, monkeypatch):

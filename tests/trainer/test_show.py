@@ -21,7 +21,7 @@ def write(path, recs):
 
 
 def test_show_records_are_the_trainers_tokens_with_counts(tmp_path, tok):
-    from longspec.data import build_dataset
+    from longspec.data.encoding import build_dataset
 
     path = write(tmp_path / "d.jsonl", [{"problem": "add 2 , 3 .", "qwq": "2 plus 3 is 5 ."},
                                         {"prompt": " ".join(["fact ."] * 80), "response": "done ."}])

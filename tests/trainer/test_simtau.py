@@ -1,4 +1,4 @@
-"""Tau while training (longspec.simtau, longspec.chainwalk): the held-out choice, the sampler that
+"""Tau while training (longspec.training.simtau, longspec.measure.chainwalk): the held-out choice, the sampler that
 never draws it, the shared-lag draft forward, and the chain walk against eval's own greedy chain
 decoding on a real tiny GLIDE model (fast, no DeepSpeed)."""
 from __future__ import annotations
@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from longspec import chainwalk, simtau
-from longspec.data import make_loader
+from longspec.measure import chainwalk
+from longspec.training import simtau
+from longspec.data.encoding import make_loader
 from tests.trainer.conftest import make_tiny_target
 
 
@@ -62,7 +63,7 @@ def test_the_trainers_sampler_never_draws_a_heldout_record(world):
 
 
 def tiny_glide(seed: int = 0):
-    from longspec.model import build_glide
+    from longspec.model.glide import build_glide
 
     torch.manual_seed(seed)
     return build_glide(make_tiny_target("qwen2"), sliding_window=16, dtype=torch.float32).eval()
@@ -99,7 +100,7 @@ def walk_draft():
 
 
 def walk_prompts():
-    from longspec.prompts import Prompt
+    from longspec.measure.prompts import Prompt
 
     g = torch.Generator().manual_seed(1)
     out = [Prompt(torch.randint(3, 90, (n,), generator=g).tolist(), f"r{i}", "document", max_new=m, stops=(30,))
@@ -110,7 +111,7 @@ def walk_prompts():
 
 
 def chain_walk_tau(model, prompts, gamma=4, batch=2):
-    from longspec import chainwalk
+    from longspec.measure import chainwalk
 
     cpu = torch.device("cpu")
     toks = chainwalk.generate(model.target.model, prompts, gamma, cpu)
@@ -124,7 +125,7 @@ def test_the_chain_walk_is_evals_greedy_chain_tau():
     """The walk over the target's greedy continuation and the draft's teacher-forced lags gives,
     block for block, what eval's greedy chain decoding (evalmeasure.decoder) gives on the same
     prompts; and it fails to when the stop rule, the limit or the prompts drift apart."""
-    from longspec.evalmeasure import decoder
+    from longspec.measure.evalmeasure import decoder
 
     model, prompts = walk_draft(), walk_prompts()
     fig, conts = chain_walk_tau(model, prompts)
@@ -167,7 +168,7 @@ def test_the_chain_walk_is_evals_greedy_chain_tau():
 
 
 def test_the_walk_counts_blocks_as_chain_decoding_does():
-    from longspec.chainwalk import walk
+    from longspec.measure.chainwalk import walk
 
     cont = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
     # every proposal right (guess[j-1][m-1] = cont[m]): 2 + 1 tokens per block until 8 tokens are kept
@@ -187,8 +188,8 @@ def test_a_resume_from_before_the_best_step_drops_that_best_draft(tmp_path):
     checkpoint-50 rolls step 60 back, so its best draft goes and the resumed draft is measured."""
     import torch.distributed as dist
 
-    from longspec.checkpoint import save_draft
-    from longspec.outputs import RunWriter
+    from longspec.model.checkpoint import save_draft
+    from longspec.training.outputs import RunWriter
     from longspec_cli.core import runfolder
     from longspec_cli.core.atomic import atomic_write_json, sha256_file
 
@@ -223,7 +224,7 @@ def test_a_module_that_cannot_be_built_from_its_config_gets_no_whole_copy():
     the evaluation runs on the (partitioned) original, never that training stops."""
     import torch.nn as nn
 
-    from longspec.zero import meta_shell, whole_copy
+    from longspec.model.zero import meta_shell, whole_copy
 
     class NeedsMore(nn.Module):
         def __init__(self, config, extra):

@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
-from longspec.model import DraftConfig, GlideDraft
-from longspec.spec_decode import (
+from longspec.model.glide import DraftConfig, GlideDraft
+from longspec.decode.spec_decode import (
     GlideProposer,
     cache_length,
     crop_cache,
@@ -24,7 +24,7 @@ from longspec.spec_decode import (
     speculative_decode,
     target_logits,
 )
-from longspec.target import TargetWrapper
+from longspec.model.target import TargetWrapper
 from tests.trainer.conftest import TINY_DIMS, make_tiny_target
 
 VOCAB = TINY_DIMS["vocab_size"]
@@ -200,7 +200,7 @@ def test_llama_and_qwen2_targets_with_a_longer_vocab():
 # ----------------------------------------------------------------------------- held-out prompts (longspec.evaluate)
 
 def word_tokenizer(words):
-    """A real (fast) tokenizer over whole words, built in memory: enough for longspec.data."""
+    """A real (fast) tokenizer over whole words, built in memory: enough for longspec.data.encoding."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -213,8 +213,8 @@ def word_tokenizer(words):
 @pytest.mark.parametrize("n, batch, accum, world, steps", [(30, 4, 1, 1, 5), (37, 3, 2, 2, 4), (10, 4, 1, 1, 9),
                                                              (25, 2, 3, 3, 0)])
 def test_replayed_sampler_is_what_the_trainer_draws(n, batch, accum, world, steps):
-    from longspec.data import ShardedBatchSampler
-    from longspec.prompts import trained_indices
+    from longspec.data.encoding import ShardedBatchSampler
+    from longspec.measure.prompts import trained_indices
 
     conf = {"per_gpu_train_batch_size": batch, "gradient_accumulation_steps": accum,
             "global_batch_size": batch * accum * world, "seed": 7, "data": {"on_bad_record": "error"}}
@@ -232,8 +232,8 @@ def test_replayed_sampler_is_what_the_trainer_draws(n, batch, accum, world, step
 
 
 def test_replay_deals_only_the_records_before_the_run_folders_heldout_ones(tmp_path):
-    from longspec.data import ShardedBatchSampler
-    from longspec.prompts import trained_indices
+    from longspec.data.encoding import ShardedBatchSampler
+    from longspec.measure.prompts import trained_indices
 
     conf = {"per_gpu_train_batch_size": 4, "gradient_accumulation_steps": 1, "global_batch_size": 4, "seed": 7,
             "data": {"on_bad_record": "error"}, "output_dir": str(tmp_path)}
@@ -245,7 +245,7 @@ def test_replay_deals_only_the_records_before_the_run_folders_heldout_ones(tmp_p
 
 
 def test_stage_prompts_are_held_out_records_cut_at_each_length(tmp_path):
-    from longspec.prompts import stage_prompts, trained_indices
+    from longspec.measure.prompts import stage_prompts, trained_indices
 
     words = [f"r{i}" for i in range(30)] + ["the", "cat", "sees", "a", "dog", "."]
     tok = word_tokenizer(words)
@@ -271,7 +271,7 @@ def test_stage_prompts_are_held_out_records_cut_at_each_length(tmp_path):
     # every document (25 tokens) shorter than the smallest length: each measured whole, and said so
     prompts, info = stage_prompts(path, tok, conf, 5, lengths=[1024, 2048], per_length={1024: 3, 2048: 3})
     assert [len(p.ids) for p in prompts] == [25] * 3 and "at most 1024 tokens" in info["short_documents"]
-    from longspec.prompts import PromptError
+    from longspec.measure.prompts import PromptError
 
     (tmp_path / "tiny.jsonl").write_text(json.dumps({"text": "r1 the"}) + "\n")      # shorter than any prompt
     with pytest.raises(PromptError) as e:
@@ -303,7 +303,7 @@ def test_default_prompt_count_follows_a_token_budget():
 
 def test_prefill_keeps_only_the_last_positions_logits(tiny_target):
     """A long prompt's prefill must not hold (T, V) logits: the model is asked for the last one."""
-    from longspec.spec_decode import _keep_last_kwarg
+    from longspec.decode.spec_decode import _keep_last_kwarg
 
     assert _keep_last_kwarg(tiny_target) in ({"logits_to_keep": 1}, {"num_logits_to_keep": 1})
     ids = prompt(12)
@@ -317,8 +317,8 @@ def test_prefill_keeps_only_the_last_positions_logits(tiny_target):
 def test_stage_prompts_read_only_the_last_records_when_the_run_gives_the_count(tmp_path, monkeypatch):
     """With heldout.json (the prepared data's record count) the prompts come from the JSONL read
     backwards from its end, and equal those of a whole read."""
-    from longspec import records
-    from longspec.prompts import stage_prompts
+    from longspec.data import records
+    from longspec.measure.prompts import stage_prompts
 
     words = [f"r{i}" for i in range(400)] + ["the", "cat", "sees", "a", "dog", "."]
     tok = word_tokenizer(words)

@@ -176,11 +176,11 @@ def test_liger_wrong_calls_are_refused_or_differ():
 # Each function in longspec/ that calls into flash-attn or Liger -> the test that runs it under the
 # stand-ins and checks (through the stand-ins' CALLERS) that the call came from that very function.
 COVERED = {
-    ("kernels.py", "_flash_attention", "flash_attn_func"):
+    ("model/kernels.py", "_flash_attention", "flash_attn_func"):
         "tests/trainer/test_reference_parity.py::test_fused_path_matches_the_dense_reference",
-    ("kernels.py", "linear_cross_entropy", "LigerFusedLinearCrossEntropyLoss"):
+    ("model/kernels.py", "linear_cross_entropy", "LigerFusedLinearCrossEntropyLoss"):
         "tests/trainer/test_reference_parity.py::test_fused_path_matches_the_dense_reference",
-    ("tree_attn.py", "_flash_prefix", "flash_attn_func"):
+    ("decode/tree_attn.py", "_flash_prefix", "flash_attn_func"):
         "tests/trainer/test_fused_dispatch.py::test_tree_decode_under_the_standins_equals_greedy",
 }
 LIBRARY = re.compile(r"flash_attn|liger_kernel")
@@ -207,7 +207,7 @@ def call_sites() -> tuple[set, dict]:
     name imported from the libraries, a module attribute of theirs, or what an accessor returns (a
     function that imports the name and returns it, e.g. kernels._flash_attn_func). Also returns the
     accessors {(file, function): name}."""
-    trees = {p.name: ast.parse(p.read_text()) for p in sorted(LONGSPEC.glob("*.py"))}
+    trees = {p.relative_to(LONGSPEC).as_posix(): ast.parse(p.read_text()) for p in sorted(LONGSPEC.rglob("*.py"))}
     accessors = {}
     for file, tree in trees.items():
         for fn in _functions(tree):
@@ -257,14 +257,15 @@ def test_every_call_site_is_covered_by_a_standin_test():
     sites, accessors = call_sites()
     assert sites, "no call of flash-attn / Liger found in longspec/"
     # grep: every import of the libraries sits in an accessor or in a call site the AST walk found
-    for path in sorted(LONGSPEC.glob("*.py")):
+    for path in sorted(LONGSPEC.rglob("*.py")):
+        rel = path.relative_to(LONGSPEC).as_posix()
         lines = path.read_text().splitlines()
         tree = ast.parse("\n".join(lines))
         for i, line in enumerate(lines, 1):
             if IMPORT_LINE.match(line):
                 fn = _enclosing(tree, i)
-                known = (path.name, fn) in accessors or any(s[:2] == (path.name, fn) for s in sites)
-                assert known, f"longspec/{path.name}:{i} imports a GPU library outside any known call site"
+                known = (rel, fn) in accessors or any(s[:2] == (rel, fn) for s in sites)
+                assert known, f"longspec/{rel}:{i} imports a GPU library outside any known call site"
     uncovered = sites - COVERED.keys()
     assert not uncovered, f"call sites of flash-attn / Liger with no stand-in test: {sorted(uncovered)}"
     stale = COVERED.keys() - sites

@@ -1,4 +1,4 @@
-"""longspec.records.tail_records: the last records of a train_file without reading the rest, equal to
+"""longspec.data.records.tail_records: the last records of a train_file without reading the rest, equal to
 read_records' last ones (indices, record ids, records) in every format users download."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from longspec import records as R
+from longspec.data import records as R
 from tests import hubfiles
 
 

@@ -14,12 +14,12 @@ import pytest
 import torch
 import yaml
 
-from longspec.data import build_dataset
+from longspec.data.encoding import build_dataset
 from longspec.tiny import (FAMILIES, TINY_VERSION, TinyBuildError, build_tiny, cache_dir,
                            tiny_target_info)
-from longspec.prompts import record_prompts
+from longspec.measure.prompts import record_prompts
 from longspec.show import inspect_record
-from longspec.tinydata import pretrain_corpus, record_text
+from longspec.data.tinydata import pretrain_corpus, record_text
 
 ROOT = Path(__file__).resolve().parents[2]
 # the tiny preset's long and longcot max_seq_length (the same for both)

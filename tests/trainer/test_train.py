@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from longspec import dist, entry, preflight
+from longspec.training import dist, entry, preflight
 from longspec_cli.core import runfolder
 
 REPO = Path(__file__).resolve().parents[2]
@@ -208,7 +208,7 @@ def test_seeded_generators_repeat_for_the_same_step_and_differ_across_steps():
 
 
 def make_checkpoint(run: Path, step: int, complete: bool = True, sha: str = "cfg", math: dict | None = None) -> Path:
-    from longspec import outputs
+    from longspec.training import outputs
 
     writer = outputs.RunWriter(run)
     path = writer.prepare_checkpoint(step)
@@ -219,7 +219,7 @@ def make_checkpoint(run: Path, step: int, complete: bool = True, sha: str = "cfg
 
 
 def test_rotation_keeps_the_newest_complete_checkpoints_and_drops_crash_leftovers(tmp_path):
-    from longspec import outputs
+    from longspec.training import outputs
 
     for step, complete in ((5, True), (10, True), (12, False), (15, True), (20, False)):
         make_checkpoint(tmp_path, step, complete)
@@ -236,7 +236,7 @@ RESUME_CONF = {"stage": "base", "force": False, "resume_schedule": "refuse", "le
 
 
 def test_resume_picks_the_newest_complete_checkpoint_and_refuses_another_config(tmp_path):
-    from longspec import outputs, resume
+    from longspec.training import outputs, resume
 
     writer = outputs.RunWriter(tmp_path)
     origin = preflight.Origin(exp_file=None, overrides=[], config_sha256="cfg")
@@ -253,7 +253,7 @@ def test_resume_picks_the_newest_complete_checkpoint_and_refuses_another_config(
 
 
 def test_only_math_keys_block_a_resume_and_a_longer_schedule_needs_stretch(tmp_path):
-    from longspec import outputs, resume
+    from longspec.training import outputs, resume
 
     writer = outputs.RunWriter(tmp_path)
     origin = preflight.Origin(exp_file=None, overrides=[], config_sha256="now")
@@ -368,7 +368,7 @@ def fresh_draft_state(target: str):
     import torch
     from transformers import AutoConfig
 
-    from longspec.model import DraftConfig, GlideDraft
+    from longspec.model.glide import DraftConfig, GlideDraft
 
     torch.manual_seed(0)
     return GlideDraft(DraftConfig.from_target_config(AutoConfig.from_pretrained(target))).state_dict()
@@ -460,7 +460,7 @@ def test_stage1_one_rank_zero1_trains_and_fills_the_run_folder(base_run):
     for c in kept:
         assert (c.path / "draft_model_weights.pth").is_file() and (c.path / "ds").is_dir()
 
-    from longspec.checkpoint import load_draft_state
+    from longspec.model.checkpoint import load_draft_state
     from longspec_cli.core.atomic import sha256_file
 
     done = json.loads((run / "stage_complete.json").read_text())
@@ -637,7 +637,7 @@ def test_stage2_two_ranks_zero3_offload_chains_from_stage1_and_every_rank_exits_
     start = [e for e in events_of(run) if e["event"] == "start"][0]
     assert start["world_size"] == 2
 
-    from longspec.checkpoint import load_draft_state
+    from longspec.model.checkpoint import load_draft_state
 
     # gathered under ZeRO-3: full shapes, the same keys as stage 1, and training moved them
     final, initial = load_draft_state(run / "draft_model_weights.pth"), load_draft_state(stage1)
@@ -675,9 +675,9 @@ def assert_half(held: int, whole: int, world: int = 2) -> None:
 ZERO3_BUILD = """
 import json, sys
 import torch, deepspeed
-from longspec.checkpoint import gather_draft_state
-from longspec.model import build_glide
-from longspec.zero import parameter_bytes
+from longspec.model.checkpoint import gather_draft_state
+from longspec.model.glide import build_glide
+from longspec.model.zero import parameter_bytes
 
 target, out = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
 deepspeed.init_distributed(dist_backend="gloo")
@@ -697,8 +697,8 @@ for name in ("target", "draft"):
     whole, ref = gather_draft_state(getattr(model, name)), getattr(plain, name).state_dict()
     record[name + "_differs"] = sorted(k for k in ref if k not in whole or not torch.equal(ref[k], whole[k]))
 # whole copies (what the tau evaluation runs on): the plain build's values, not partitioned
-from longspec.chainwalk import greedy_batch
-from longspec.zero import meta_shell, whole_copy
+from longspec.measure.chainwalk import greedy_batch
+from longspec.model.zero import meta_shell, whole_copy
 cpu = torch.device("cpu")
 hf = model.target.model
 copies = {"target": (whole_copy(hf, meta_shell(lambda: type(hf)(hf.config)), cpu), plain.target.model),
@@ -723,7 +723,7 @@ def test_zero3_build_partitions_target_and_draft_on_each_rank_with_unchanged_val
     """Under ZeRO-3 build_glide partitions while it builds: each of 2 ranks holds half of the
     target's and the draft's parameter bytes, and gathered they equal a plain build (the target's
     weights loaded, the draft's seeded init applied); so do the whole copies the tau evaluation
-    runs on (longspec.zero.whole_copy), which decode the same greedy tokens."""
+    runs on (longspec.model.zero.whole_copy), which decode the same greedy tokens."""
     script = tmp_path / "zero3_build.py"
     script.write_text(ZERO3_BUILD)
     out = tmp_path / "built"

@@ -1,7 +1,7 @@
 """Reading a train_file's records: JSON/JSONL (a JSON array streamed in chunks, JSONL line by line
 or, for its last records, backwards from its end) and parquet/arrow through core.datafiles. Every
 record is named by where it is (`FILE:LINE` or `SHARD:row N`); a bad one raises DataError naming it,
-or is skipped with on_bad_record="skip". longspec.data re-exports these names.
+or is skipped with on_bad_record="skip". longspec.data.encoding re-exports these names.
 """
 
 from __future__ import annotations

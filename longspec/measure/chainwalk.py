@@ -2,7 +2,7 @@
 of each prompt once, then the block walk of greedy chain decoding over the draft's teacher-forced
 guesses.
 
-Prompts: `eval`'s default measurement of the stage (longspec.prompts.default_prompts with the
+Prompts: `eval`'s default measurement of the stage (longspec.measure.prompts.default_prompts with the
 run's step count: the same records, cuts, length buckets, new-token limits and stop tokens).
 
 Continuations, once per run: the frozen target decodes each prompt greedily for max_new + gamma
@@ -13,7 +13,7 @@ folder (continuations.json) with a digest of what made them (continuation_digest
 config and weight files, the tokenizer files, every prompt's tokens, limit and stop tokens); a
 resume with the same digest reuses them, and `eval` checks its own greedy output against them.
 
-The walk. Greedy chain decoding (longspec.spec_decode.speculative_decode with GlideProposer) with
+The walk. Greedy chain decoding (longspec.decode.spec_decode.speculative_decode with GlideProposer) with
 g tokens generated (prompt P tokens, continuation c_0 .. c_{g-1} verified; the target's cache ends
 at c_{g-2}) proposes d_j, j = 1..gamma, from the draft at position P + g - 2 + j with input token
 c_{g-2+j} (d_{j-1} = c_{g-2+j} whenever proposal j is reached), its self-attention over its own
@@ -49,7 +49,7 @@ class Continuation:
 def continuation_digest(target: Path, prompts: list) -> str:
     """sha256 of what makes the continuations: the target's config.json and its weight files
     (names and sizes: a 60 GB target is not re-read), the tokenizer files, and every prompt's
-    tokens, new-token limit and stop tokens (longspec.prompts.Prompt)."""
+    tokens, new-token limit and stop tokens (longspec.measure.prompts.Prompt)."""
     h = hashlib.sha256(f"chainwalk {VERSION}\n".encode())
     target = Path(target)
     for f in sorted(target.iterdir()) if target.is_dir() else ():
@@ -63,8 +63,8 @@ def continuation_digest(target: Path, prompts: list) -> str:
 
 
 def stop_end(tokens: list[int], max_new: int, stops) -> int:
-    """How many of ``tokens`` greedy decoding keeps (longspec.spec_decode's own stop rule)."""
-    from longspec.spec_decode import finish_tokens
+    """How many of ``tokens`` greedy decoding keeps (longspec.decode.spec_decode's own stop rule)."""
+    from longspec.decode.spec_decode import finish_tokens
 
     return len(finish_tokens(tokens, max_new, stops)[0])
 
@@ -115,7 +115,7 @@ def greedy_batch(model, ids: list[list[int]], n: int, device) -> list[list[int]]
     decoding)."""
     import torch
 
-    from longspec.spec_decode import _cache_kwarg, _keep_last_kwarg, new_cache
+    from longspec.decode.spec_decode import _cache_kwarg, _keep_last_kwarg, new_cache
 
     B, T = len(ids), max(len(r) for r in ids)
     inp = torch.zeros(B, T, dtype=torch.long)
@@ -172,7 +172,7 @@ def draft_guesses(module, rows: list[tuple[list[int], int, int]], gamma: int, de
     must call this as often, and pass ``frozen`` alike)."""
     import torch
 
-    from longspec.zero import gathered
+    from longspec.model.zero import gathered
 
     target, draft = module.target, module.draft
     dtype = draft.input_layernorm.weight.dtype
@@ -209,8 +209,8 @@ def draft_all_lags(draft, hidden, target_k, target_v, rope, mask, gamma: int, st
     cross-attention queries); then per lag the cross-attention, its output projection and the MLP.
     The same values as gamma calls of draft(...) (tests/trainer/test_simtau.py holds them equal);
     with ``start``, the positions before it are only keys of the self-attention."""
-    from longspec import kernels
-    from longspec.model import apply_rope
+    from longspec.model import kernels
+    from longspec.model.glide import apply_rope
 
     cos, sin = rope
     x = draft.input_layernorm(hidden)
@@ -343,7 +343,7 @@ def read(path: Path, digest: str, prompts: list, gamma: int) -> dict[int, Contin
 
 
 def same_as_training(run_dir: Path, target: Path, prompts: list, rows: list[dict]) -> dict | None:
-    """The trainer's continuations of these prompts (longspec.chainwalk; what its tau walked): None
+    """The trainer's continuations of these prompts (longspec.measure.chainwalk; what its tau walked): None
     when the run has none; else whether they were made from these prompts, this target and these
     limits (`same_digest`), and on how many prompts this measurement's greedy output equals them."""
     from longspec_cli.core import runfolder

@@ -7,8 +7,8 @@ Shapes: B batch, T tokens, H hidden, nh query heads, kvh key/value heads, hd hea
     embed(input_ids) -> GlideDraft(self-attn in a window, cross-attn onto K/V, MLP) -> (B, T, H)
                      -> frozen lm_head -> next-token CE (fp32, chunked/fused) = loss
 
-The target side (TargetWrapper, next_token_loss, loading) is longspec.target; the ZeRO-3
-parameter helpers are longspec.zero. The draft's state-dict keys follow the LongSpec reference
+The target side (TargetWrapper, next_token_loss, loading) is longspec.model.target; the ZeRO-3
+parameter helpers are longspec.model.zero. The draft's state-dict keys follow the LongSpec reference
 layer (`self_attn.*`, `cross_attn.*`, `mlp.*`, three norms), so a draft trained here loads there
 and the other way round.
 """
@@ -23,10 +23,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from longspec import kernels
-from longspec.families import get_family, rope_params as _rope_params
-from longspec.target import TargetWrapper, load_target, next_token_loss
-from longspec.zero import announce_zero3, gathered, gathered_for_update, zero3_dtype
+from longspec.model import kernels
+from longspec.model.families import get_family, rope_params as _rope_params
+from longspec.model.target import TargetWrapper, load_target, next_token_loss
+from longspec.model.zero import announce_zero3, gathered, gathered_for_update, zero3_dtype
 
 
 # ----------------------------------------------------------------------------- config
@@ -51,9 +51,9 @@ class DraftConfig:
     @classmethod
     def from_target_config(cls, hf_config: Any, sliding_window: int = 512,
                            attention_bias: bool | None = None) -> "DraftConfig":
-        """Read a transformers config of a family in longspec.families (transformers 4.x or 5.x).
+        """Read a transformers config of a family in longspec.model.families (transformers 4.x or 5.x).
 
-        ``attention_bias``: None takes the family's draft layout (longspec.families).
+        ``attention_bias``: None takes the family's draft layout (longspec.model.families).
         """
         family = get_family(hf_config)          # ValueError: the one refusal sentence
         if sliding_window < 1:
@@ -284,7 +284,7 @@ def build_glide(
     module's, gathered, while the weights load) and only rank 0 reads the target's weights from
     disk. The config's bf16 / fp16 blocks must say ``dtype``.
     """
-    from longspec.checkpoint import load_draft_state, load_draft_weights
+    from longspec.model.checkpoint import load_draft_state, load_draft_weights
 
     if zero3_config is not None:
         if zero3_dtype(zero3_config) != dtype:

@@ -1,4 +1,4 @@
-"""Tau while a stage trains: `eval`'s chain tau for the current draft (longspec.chainwalk), and
+"""Tau while a stage trains: `eval`'s chain tau for the current draft (longspec.measure.chainwalk), and
 the stage's best draft.
 
 Held-out records: the last records of the stage's prepared data, taken from the end until
@@ -10,10 +10,10 @@ resume that would hold out other tokens is refused. `eval` replays the sampler o
 before them, so its default prompts come from these never-drawn records first.
 
 The figure, every `eval_steps` optimizer steps (and at step 0 and the last step): the prompts of
-`eval`'s default measurement for the run's step count (longspec.prompts.default_prompts, read
+`eval`'s default measurement for the run's step count (longspec.measure.prompts.default_prompts, read
 from the training_config.yaml eval reads), the target's greedy continuation of each (made once per
 run, kept in continuations.json), and the block walk of greedy chain decoding over the draft's
-teacher-forced guesses at lags 1..eval_gamma (longspec.chainwalk). Each rank walks its share of the
+teacher-forced guesses at lags 1..eval_gamma (longspec.measure.chainwalk). Each rank walks its share of the
 prompts; the counts are all-reduced, and every rank runs the same number of forwards (ZeRO-3
 gathers parameters in each one). Rank 0 writes one `{"record": "simtau", ...}` metrics line (tau,
 tau by length bucket, the acceptance rate at each draft position), and, when tau beats the best
@@ -162,7 +162,7 @@ class SimTau:
             return
         if self.rank == 0:
             self._drop_best()
-            from longspec.dist import print0
+            from longspec.training.dist import print0
 
             print0(f"[resume] best.json was from step {best['step']}, after the checkpoint at step {step}: "
                    "dropped, the resumed draft is measured now")
@@ -171,10 +171,10 @@ class SimTau:
     def _prompts(self, session) -> tuple[list | None, list[int], str | None, str | None]:
         """(eval's default prompts for this run, their lengths, the target's path, why there are
         none): rank 0 builds them from the resolved config `eval` reads and the stage's last
-        records (longspec.prompts: a cost that does not grow with the data), every rank gets them."""
+        records (longspec.measure.prompts: a cost that does not grow with the data), every rank gets them."""
         import torch
 
-        from longspec import prompts as P
+        from longspec.measure import prompts as P
         from longspec.evaluate import EvalError, read_run
 
         got: list = [None]
@@ -193,16 +193,16 @@ class SimTau:
         """eval's default prompts for this run, and the target's greedy continuations (read back
         when continuations.json was made from the same digest, else made now, once). Under ZeRO-3,
         whole copies of the frozen target (for the continuations and the first evaluation) and of
-        the draft (each evaluation) are used when they fit (longspec.zero.whole_copy)."""
+        the draft (each evaluation) are used when they fit (longspec.model.zero.whole_copy)."""
         import torch
 
-        from longspec import chainwalk
-        from longspec.zero import fits_whole, meta_shell, partitioned
+        from longspec.measure import chainwalk
+        from longspec.model.zero import fits_whole, meta_shell, partitioned
 
         prompts, self.lengths, target, why = self._prompts(session)
         if prompts is None:
             self.prompts, self.every = [], 0
-            from longspec.dist import print0
+            from longspec.training.dist import print0
 
             print0(f"[{session.conf['stage']}] note: no tau while training: {why}")
             return
@@ -223,8 +223,8 @@ class SimTau:
             return
         t0 = time.time()
         if copy_target:
-            from longspec.target import TargetWrapper
-            from longspec.zero import whole_copy
+            from longspec.model.target import TargetWrapper
+            from longspec.model.zero import whole_copy
 
             self.target_copy = TargetWrapper(whole_copy(hf, shell, device))
             hf = self.target_copy.model
@@ -245,7 +245,7 @@ class SimTau:
         self.target_copy = None                      # the first evaluation is its last use: freed after it
         draft = module.draft
         if self.copy_draft:
-            from longspec.zero import meta_shell, whole_copy
+            from longspec.model.zero import meta_shell, whole_copy
 
             draft = whole_copy(draft, meta_shell(lambda: type(draft)(draft.config)), session.engine.device)
         return SimpleNamespace(target=target, draft=draft)
@@ -256,7 +256,7 @@ class SimTau:
         if not self.enabled or not (force or step % self.every == 0 or step == session.total):
             return False
         self.redo = False
-        from longspec import chainwalk
+        from longspec.measure import chainwalk
 
         t0, first = time.time(), self.prompts is None
         if first:
@@ -284,7 +284,7 @@ class SimTau:
             extra = {"continuations_s": round(t1 - t0, 3), "continuations_made": self.continuations_s is not None} \
                 if first else {}
             self.out.record({**record, **extra, "eval_s": round(time.time() - t1, 3)})
-            from longspec.dist import print0
+            from longspec.training.dist import print0
 
             print0(f"[{session.conf['stage']}] step {step}: tau {tau:.3f} (eval's chain, {len(self.prompts)} prompts; "
                    + ", ".join(f"{b['length']}: {b['tau']:.2f}" for b in fig["by_length"]) + "; accepted at position "
@@ -293,7 +293,7 @@ class SimTau:
 
     def _save_best(self, session, step: int, tau: float, fig: dict) -> None:
         """The draft into best/ (weights first, best.json last, both atomic). Collective under ZeRO-3."""
-        from longspec.checkpoint import save_draft
+        from longspec.model.checkpoint import save_draft
         from longspec_cli.core.atomic import sha256_file
 
         state = session.draft_state()

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from longspec import outputs
-from longspec.dist import print0, rank
-from longspec.entry import TrainError
+from longspec.training import outputs
+from longspec.training.dist import print0, rank
+from longspec.training.entry import TrainError
 from longspec_cli.core import runfolder
 from longspec_cli.core.datafiles import names_data
 
@@ -80,7 +80,7 @@ def preflight(conf: dict[str, Any]) -> Preflight:
     if conf["draft_model_name_or_path"] is not None:
         draft_state, draft_sha = load_draft(Path(conf["draft_model_name_or_path"]), tcfg, conf)
 
-    from longspec.data import load_tokenizer     # torch: imported once the stop-signal watcher runs
+    from longspec.data.encoding import load_tokenizer     # torch: imported once the stop-signal watcher runs
 
     tokenizer = load_tokenizer(conf["model_name_or_path"])     # DataError: no usable tokenizer
     dataset = prepared_dataset(conf, train_file, tokenizer)
@@ -130,8 +130,8 @@ def load_draft(path: Path, tcfg, conf: dict[str, Any]):
     """Load the input draft safely (weights_only) and check it against a meta-device draft."""
     import torch
 
-    from longspec.checkpoint import check_draft_state, load_draft_state
-    from longspec.model import DraftConfig, GlideDraft
+    from longspec.model.checkpoint import check_draft_state, load_draft_state
+    from longspec.model.glide import DraftConfig, GlideDraft
     from longspec_cli.core.atomic import sha256_file
 
     state = load_draft_state(path)            # DraftLoadError: missing, corrupt, pickle payload
@@ -153,7 +153,7 @@ def check_kernels(conf: dict[str, Any]) -> None:
         return
     import torch
 
-    from longspec import kernels
+    from longspec.model import kernels
 
     if conf["precision"] == "fp32":
         raise TrainError("kernels = fused needs precision bf16 or fp16 (flash-attn has no fp32 "

@@ -25,7 +25,7 @@ from __future__ import annotations
 import zipfile
 from pathlib import Path
 
-from longspec.prompts import (SYSTEM_PROMPT, Prompt, PromptError, end_of_turn_ids, parse_prompt_text,
+from longspec.measure.prompts import (SYSTEM_PROMPT, Prompt, PromptError, end_of_turn_ids, parse_prompt_text,
                               read_prompt_file)
 from longspec_cli.core import datafiles
 
@@ -99,7 +99,7 @@ def _longbench_files(where: Path) -> dict[str, tuple[str, object]]:
 def _chat(tokenizer, user: str, lead: str) -> list[int]:
     msgs = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
     if getattr(tokenizer, "chat_template", None):
-        from longspec.chat import ChatError, render
+        from longspec.data.chat import ChatError, render
 
         try:
             text = render(tokenizer, msgs, generation_prompt=True)

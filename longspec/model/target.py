@@ -6,7 +6,7 @@ Shapes: B batch, T tokens, H hidden, kvh key/value heads, hd head dim.
                                          final-norm hidden          (B, T, H)
                                          llm_loss (fp32) when labels are given
 
-Every family in longspec.families works: the family entry says where the embeddings, lm_head,
+Every family in longspec.model.families works: the family entry says where the embeddings, lm_head,
 K/V layer and rotary embedding are.
 """
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from longspec import kernels
-from longspec.families import get_family
-from longspec.zero import gathered
+from longspec.model import kernels
+from longspec.model.families import get_family
+from longspec.model.zero import gathered
 
 
 @dataclass
@@ -57,7 +57,7 @@ def _last_layer_cache_cls():
 
 
 class TargetWrapper(nn.Module):
-    """A frozen transformers causal LM of a family in longspec.families that hands out what the
+    """A frozen transformers causal LM of a family in longspec.model.families that hands out what the
     draft needs; the family entry says where each part is."""
 
     def __init__(self, hf_model: nn.Module):

@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from longspec import dsconfig, outputs
-from longspec.dist import progress, rank
-from longspec.entry import EXIT_ERROR, report_error, user_errors
-from longspec.preempt import EXIT_INTERRUPTED
+from longspec.training import dsconfig, outputs
+from longspec.training.dist import progress, rank
+from longspec.training.entry import EXIT_ERROR, report_error, user_errors
+from longspec.training.preempt import EXIT_INTERRUPTED
 
 
 def guarded(run: Callable[[object], int], cfg) -> int:

@@ -63,7 +63,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen3", "Qwen3GlideDecoderLayer", attention_bias=False, qk_norm=True),
     Family("mistral", "MistralGlideDecoderLayer", attention_bias=False, qk_norm=False),
 )}
-assert tuple(FAMILIES) == SUPPORTED_FAMILIES, "longspec.families and targets.SUPPORTED_FAMILIES disagree"
+assert tuple(FAMILIES) == SUPPORTED_FAMILIES, "longspec.model.families and targets.SUPPORTED_FAMILIES disagree"
 
 
 def get_family(config: Any) -> Family:

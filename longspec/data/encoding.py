@@ -1,12 +1,12 @@
 """Training data: the label rule, padding, loaders; the readers of a train_file's records are
-longspec.records (re-exported here).
+longspec.data.records (re-exported here).
 
 A sample is {"input_ids": (T,) long, "labels": (T,) long}; labels[t] is input_ids[t] where the
 token is trained and -100 where it is not (unshifted, Hugging Face style: the loss shifts).
 
 The collators (the `data.collator` key: short_text, long_data, long_cot) live in
-longspec.collators; what a chat record trains (answers and their end of turn, never system,
-user or header text) in longspec.chat. Plain stage-1 documents end with the tokenizer's EOS
+longspec.data.collators; what a chat record trains (answers and their end of turn, never system,
+user or header text) in longspec.data.chat. Plain stage-1 documents end with the tokenizer's EOS
 (upstream's `text + eos_token`); stage-2 code/book documents get none, as upstream. Labels also
 drop the pad token, as the reference trainer does (`labels == pad_token_id -> -100`): end-of-turn
 tokens such as `<|im_end|>` are trained, and a tokenizer whose EOS is its pad (Qwen's
@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from longspec.collators import ENCODERS, RecordError  # noqa: F401  (RecordError: re-exported)
-from longspec.records import BAD_RECORD_MODES, DataError, read_records, where  # noqa: F401  (re-exported)
+from longspec.data.collators import ENCODERS, RecordError  # noqa: F401  (RecordError: re-exported)
+from longspec.data.records import BAD_RECORD_MODES, DataError, read_records, where  # noqa: F401  (re-exported)
 
 IGNORE = -100
 # Bump whenever the tokens or labels a collator produces change: prepared caches made by an
@@ -67,7 +67,7 @@ def _encode_plan(rec: dict, tokenizer, collator: str):
 def encode_record(rec: dict, tokenizer, collator: str, max_seq_length: int,
                   kinds: list[str] | None = None) -> tuple[list[int], list[bool]]:
     """Token ids and their trained flags for one record (RecordError if it does not fit);
-    `kinds`, when given, receives each kept token's piece kind (longspec.collators)."""
+    `kinds`, when given, receives each kept token's piece kind (longspec.data.collators)."""
     ids, trained, _ = encode_full(rec, tokenizer, collator, max_seq_length, kinds)
     return ids, trained
 

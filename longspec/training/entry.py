@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from longspec import dsconfig
-from longspec.preempt import EXIT_PREEMPTED
+from longspec.training import dsconfig
+from longspec.training.preempt import EXIT_PREEMPTED
 
 EXIT_ERROR = 1
 EXIT_INPUT = 3                # unreadable input: a malformed record (DESIGN.md exit codes)
@@ -43,12 +43,12 @@ def report_error(message: str, hint: str | None = None) -> None:
 
 def user_errors() -> tuple[type[BaseException], ...]:
     errors: list[type[BaseException]] = [dsconfig.ConfigError, TrainError]
-    from longspec.checkpoint import DraftLoadError
-    from longspec.simtau import HeldoutChanged
+    from longspec.model.checkpoint import DraftLoadError
+    from longspec.training.simtau import HeldoutChanged
 
     errors += [DraftLoadError, HeldoutChanged]
     try:
-        from longspec.data import DataError
+        from longspec.data.encoding import DataError
 
         errors.append(DataError)
     except ImportError:
@@ -61,7 +61,7 @@ def tool_boundary(run: Callable[[Any], dict], cfg, *, json_out: bool, extra_erro
     """(exit code, result) of `run(cfg)` for a tool that prints JSON (`prepare`, `show`): a user's
     mistake becomes one `error:` block (and `{"error", "exit_code"}` with --json), Ctrl-C exit 130;
     anything else is a bug and propagates."""
-    from longspec.preempt import EXIT_INTERRUPTED
+    from longspec.training.preempt import EXIT_INTERRUPTED
 
     try:
         return 0, run(cfg)
@@ -112,7 +112,7 @@ def implied_config_dir(argv: list[str]) -> list[str]:
 
 # The primary config, as an absolute path: the same whether run as a module, a script or imported.
 # The front end (longspec_cli.core.hydracompose) composes with this same file and search path.
-HYDRA_MAIN = {"config_path": str(Path(__file__).resolve().parent / "conf"), "config_name": "config",
+HYDRA_MAIN = {"config_path": str(Path(__file__).resolve().parents[1] / "conf"), "config_name": "config",
               "version_base": None}
 
 

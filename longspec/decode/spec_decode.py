@@ -31,9 +31,9 @@ from typing import Protocol
 import torch
 import torch.nn as nn
 
-from longspec import kernels
-from longspec.model import GlideDraft, apply_rope
-from longspec.target import TargetWrapper
+from longspec.model import kernels
+from longspec.model.glide import GlideDraft, apply_rope
+from longspec.model.target import TargetWrapper
 
 
 # ----------------------------------------------------------------------------- results
@@ -250,7 +250,7 @@ def _finish(tokens: list[int], max_new_tokens: int, eos) -> tuple[list[int], boo
     return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
 
 
-finish_tokens = _finish      # the stop rule, for longspec.chainwalk
+finish_tokens = _finish      # the stop rule, for longspec.measure.chainwalk
 
 
 def _sync(device: torch.device) -> None:

@@ -90,7 +90,7 @@ def tree_verify_attention(q, k, v, tree_mask: torch.Tensor, scale: float | None 
     if P == 0:
         return out_t.to(q.dtype)
     if impl == "flash":
-        from longspec import kernels
+        from longspec.model import kernels
 
         why_not = kernels.flash_unusable(q.device, q.dtype)
         if why_not:
@@ -106,7 +106,7 @@ def tree_verify_attention(q, k, v, tree_mask: torch.Tensor, scale: float | None 
 def fused_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether flash-attn can compute the prefix part here: CUDA, installed, fp16/bf16 (it refuses
     fp32). The same predicate as kernels.attention's (kernels.flash_unusable)."""
-    from longspec import kernels
+    from longspec.model import kernels
 
     return kernels.flash_unusable(device, dtype) is None
 

@@ -2,7 +2,7 @@
 
 Pieces are (text, kind): "text" (a plain document, trained), "prompt" (not trained: system,
 user, the template's default system text, the generation header), "answer" and "end" (the
-assistant's answer and its end of turn, trained). Chats are split by longspec.chat.split_chat
+assistant's answer and its end of turn, trained). Chats are split by longspec.data.chat.split_chat
 (the rule in docs/DESIGN.md). Each encoder returns (pieces, plain, add_eos): plain documents get
 the tokenizer's own special tokens (a BOS for Llama) and, where add_eos, its EOS.
 
@@ -16,7 +16,7 @@ the tokenizer's own special tokens (a BOS for Llama) and, where add_eos, its EOS
 
 from __future__ import annotations
 
-from longspec.chat import ChatError, split_chat
+from longspec.data.chat import ChatError, split_chat
 
 LONG_SOURCES = ("code", "book", "arxiv", "tulu-v2")
 # Upstream's stage-2 instruction for arXiv records (general_collator.py, LongDataNoMaskSFTCollator).
@@ -68,7 +68,7 @@ def _short_text(rec: dict, tokenizer):
 def long_data_messages(rec: dict) -> list[dict] | None:
     """Stage 2's conversation of a record (an arXiv summary with upstream's instruction, a tulu-v2
     or plain `messages` chat), None for a document (code, book, `text`): what the trainer trains
-    and what evaluation asks (longspec.prompts)."""
+    and what evaluation asks (longspec.measure.prompts)."""
     source = rec.get("source")
     if source in ("code", "book") or (source not in LONG_SOURCES and "text" in rec):
         return None

@@ -14,7 +14,7 @@ One round (batch 1):
               and, in its windowed self-attention, its own cache plus the node's tree ancestors;
               a node at depth d sits at position n - 1 + d
     verify    ONE target forward of [root, nodes...] with position ids (n - 1) + depth and a
-              tree mask over the cached prefix (longspec.tree_attn): logits at every node
+              tree mask over the cached prefix (longspec.decode.tree_attn): logits at every node
     accept    greedy: walk from the root, at each node to the child equal to the target's argmax;
               the new tokens are that path plus the target's token after its end (the bonus)
     rollback  the target cache keeps the root and the accepted path (their K/V moved into place),
@@ -50,9 +50,9 @@ from typing import Iterable, Protocol, Sequence
 import torch
 import torch.nn as nn
 
-from longspec import tree_attn
-from longspec.model import apply_rope
-from longspec.spec_decode import (
+from longspec.decode import tree_attn
+from longspec.model.glide import apply_rope
+from longspec.decode.spec_decode import (
     DecodeResult, GlideProposer, _cache_kwarg, _check_prompt, _finish, _sync, cache_length, crop_cache,
     last_layer_kv, new_cache, target_logits,
 )
@@ -211,7 +211,7 @@ class GlideTreeProposer(GlideProposer):
         ca = d.cross_attn
         q = apply_rope(ca.heads(ca.q_proj, d.post_self_attention_layernorm(h)), cos, sin)
         if tk.shape[2] > 0:
-            from longspec import kernels
+            from longspec.model import kernels
 
             h = h + ca.out(kernels.attention(q, tk, tv, causal=False))
         return h + d.mlp(d.post_cross_attention_layernorm(h))                             # (1, m, H)

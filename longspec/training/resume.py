@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from longspec import outputs
-from longspec.entry import TrainError
+from longspec.training import outputs
+from longspec.training.entry import TrainError
 from longspec_cli.core.mathkeys import differences, math_config, resume_blockers, show_changes
 
 

@@ -54,7 +54,7 @@ class Prompt:
     kind: str                        # a DEFAULT_NEW_TOKENS key
     max_new: int = 0                 # filled by limit_new_tokens
     task: str | None = None          # a benchmark's task
-    bucket: int | None = None        # its context-length bucket (longspec.evalreport.bucket_of)
+    bucket: int | None = None        # its context-length bucket (longspec.measure.evalreport.bucket_of)
     stops: tuple[int, ...] = field(default_factory=tuple)
 
 
@@ -63,8 +63,8 @@ class Prompt:
 def question_text(tokenizer, messages: list[dict]) -> str:
     """The conversation up to (and with) its last user turn, rendered with the generation prompt
     through the tokenizer's chat template: what a server is sent before the model answers, and the
-    prompt the training rule (longspec.chat) gives the answer that follows."""
-    from longspec.chat import ChatError, render
+    prompt the training rule (longspec.data.chat) gives the answer that follows."""
+    from longspec.data.chat import ChatError, render
 
     last = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
     if last is None:
@@ -78,7 +78,7 @@ def question_text(tokenizer, messages: list[dict]) -> str:
 def end_of_turn_ids(tokenizer) -> tuple[int, ...]:
     """The EOS and the special token the chat template closes an assistant turn with (a server's
     stop tokens); the EOS alone for a tokenizer without a template."""
-    from longspec.chat import ChatError, end_of_turn
+    from longspec.data.chat import ChatError, end_of_turn
 
     stops = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
     if getattr(tokenizer, "chat_template", None):
@@ -100,9 +100,9 @@ COT_FIELDS = ("problem", "qwq", "prompt", "response")
 
 def record_messages(rec: dict) -> tuple[list[dict], str] | None:
     """(messages, kind) of a chat or chain-of-thought record, None for a document: the
-    conversation the stage's collator trains (longspec.collators), so evaluation asks the question
+    conversation the stage's collator trains (longspec.data.collators), so evaluation asks the question
     the draft was trained to answer."""
-    from longspec.collators import RecordError, long_cot_messages, long_data_messages
+    from longspec.data.collators import RecordError, long_cot_messages, long_data_messages
 
     if not isinstance(rec, dict):
         return None
@@ -159,8 +159,8 @@ def default_num_prompts(context_tokens: int, buckets: int = 1) -> int:
 def measured_prompts(prompts: list[Prompt], lengths: list[int], max_new: int | None,
                      max_seq: int) -> tuple[list[Prompt], int]:
     """(the prompts a measurement decodes, how many were longer than every length): each with its
-    new-token limit (limit_new_tokens) and its length bucket (longspec.evalreport.bucket_of)."""
-    from longspec.evalreport import bucket_of
+    new-token limit (limit_new_tokens) and its length bucket (longspec.measure.evalreport.bucket_of)."""
+    from longspec.measure.evalreport import bucket_of
 
     limit_new_tokens(prompts, max_new, max_seq)
     for p in prompts:
@@ -172,9 +172,9 @@ def measured_prompts(prompts: list[Prompt], lengths: list[int], max_new: int | N
 def default_prompts(path: Path, tokenizer, conf: dict, steps: int | None, *, lengths: list[int] | None = None,
                     num_prompts: int | None = None, max_new: int | None = None) -> tuple[list[Prompt], dict, list[int]]:
     """A stage's measurement from its own records: `eval`'s default one (and, with the run's step
-    count, what the trainer's simulated tau decodes: longspec.chainwalk). (prompts with limits
+    count, what the trainer's simulated tau decodes: longspec.measure.chainwalk). (prompts with limits
     and buckets, info, lengths); the arguments are eval's --lengths, --num-prompts, --max-new-tokens."""
-    from longspec.evalreport import default_lengths
+    from longspec.measure.evalreport import default_lengths
 
     max_seq = int(conf_get(conf, "data.max_seq_length", 1024))
     lengths = lengths or default_lengths(max_seq)
@@ -196,9 +196,9 @@ def limit_new_tokens(prompts: list[Prompt], max_new: int | None, max_seq: int) -
 
 def trained_indices(n: int, conf: dict, steps: int | None) -> set[int] | None:
     """Record indices the stage's run drew, replaying the trainer's own sampler
-    (longspec.data.ShardedBatchSampler: seeded shuffle per epoch, dealt over ranks); None when
+    (longspec.data.encoding.ShardedBatchSampler: seeded shuffle per epoch, dealt over ranks); None when
     that cannot be known (records skipped as bad, unknown step count or batch layout)."""
-    from longspec.data import ShardedBatchSampler
+    from longspec.data.encoding import ShardedBatchSampler
 
     batch, accum = conf_get(conf, "per_gpu_train_batch_size"), conf_get(conf, "gradient_accumulation_steps", 1)
     glob, seed = conf_get(conf, "global_batch_size"), conf_get(conf, "seed", 42)
@@ -222,7 +222,7 @@ def trained_indices(n: int, conf: dict, steps: int | None) -> set[int] | None:
 
 
 def heldout_of(conf: dict) -> dict | None:
-    """The stage's run's heldout.json (longspec.simtau writes it), None without one."""
+    """The stage's run's heldout.json (longspec.training.simtau writes it), None without one."""
     from longspec_cli.core import runfolder
 
     out = conf_get(conf, "output_dir")
@@ -244,8 +244,8 @@ def stage_prompts(path: Path, tokenizer, conf: dict, steps: int | None, *, lengt
                   per_length: dict[int, int]) -> tuple[list[Prompt], dict]:
     """Prompts from the newest records of the stage's data its run never drew (then drawn ones
     when too few are left), until every length bucket holds its share (per_length). Only the last
-    records are read (longspec.records.tail_records), so this costs the same at any data size."""
-    from longspec.records import DataError, tail_records, where_short
+    records are read (longspec.data.records.tail_records), so this costs the same at any data size."""
+    from longspec.data.records import DataError, tail_records, where_short
 
     want = max(256, 16 * sum(per_length.values()))
     try:
@@ -280,7 +280,7 @@ def stage_prompts(path: Path, tokenizer, conf: dict, steps: int | None, *, lengt
 
 def _pick(tail, seen, path: Path, tokenizer, lengths, per_length, stops, short_whole: bool):
     """(prompts in file order, the fresh ones): newest never-drawn records first, drawn ones fill the rest."""
-    from longspec.evalreport import bucket_of
+    from longspec.measure.evalreport import bucket_of
 
     fresh: list[Prompt] = []
     drawn: list[Prompt] = []

@@ -24,7 +24,7 @@ earlier answers that way leaves them untrained context, counted (`untrained_answ
 `prepare --show` can say so.
 
 `split_chat` is the one public entry: prompt / answer pieces for a conversation, used by the
-stage collators (longspec.data) and by evaluation prompts.
+stage collators (longspec.data.encoding) and by evaluation prompts.
 """
 
 from __future__ import annotations
