@@ -68,7 +68,7 @@ def fresh_draft_tau(d: Path) -> float | None:
     import torch
     import yaml
 
-    from longspec.model.checkpoint import save_draft
+    from longspec.model.weights import save_draft
     from longspec.model.glide import DraftConfig, GlideDraft
     from transformers import AutoConfig
 

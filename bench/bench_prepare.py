@@ -44,7 +44,7 @@ def load() -> str:
 
 def generate(path: Path, mb: int, seed: int = 0) -> Path:
     """JSONL of tiny-preset-like paragraphs (records of ~1-3 KB) up to `mb` MiB."""
-    from longspec.data.tinydata import Lang
+    from longspec.data.synthetic import Lang
 
     rng = random.Random(seed)
     gen = Lang(rng)

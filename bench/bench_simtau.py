@@ -136,7 +136,7 @@ def cost(d: Path) -> None:
 
 
 def estimate(a) -> None:
-    from longspec.measure.evalreport import default_lengths
+    from longspec.measure.report import default_lengths
     from longspec.measure.prompts import default_num_prompts
 
     lengths = default_lengths(a.seq)

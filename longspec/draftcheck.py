@@ -16,9 +16,9 @@ from types import SimpleNamespace
 
 
 def _load(draft: Path):
-    """(state dict, load error) using longspec.model.checkpoint when present, else torch.load(weights_only=True)."""
+    """(state dict, load error) using longspec.model.weights when present, else torch.load(weights_only=True)."""
     try:
-        from longspec.model.checkpoint import DraftLoadError, load_draft_state
+        from longspec.model.weights import DraftLoadError, load_draft_state
     except ImportError:
         return _load_plain(draft)
     try:
@@ -31,7 +31,7 @@ def _load_plain(draft: Path):
     import torch
 
     if draft.is_dir():
-        return None, f"{draft} is a folder; checking folders needs longspec.model.checkpoint"
+        return None, f"{draft} is a folder; checking folders needs longspec.model.weights"
     try:
         if draft.suffix == ".safetensors":
             from safetensors.torch import load_file
@@ -55,7 +55,7 @@ def _target_problems(state, target: Path) -> tuple[bool, list[str], str | None]:
     try:
         import torch
 
-        from longspec.model.checkpoint import DraftLoadError, check_draft_state
+        from longspec.model.weights import DraftLoadError, check_draft_state
         from longspec.model.glide import DraftConfig, GlideDraft
     except ImportError as e:
         return False, [], f"key/shape check skipped ({e})"

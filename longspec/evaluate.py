@@ -17,7 +17,7 @@ FILE; or --bench longbench:FOLDER / aime:FILE. Decoding stops at the end of turn
 new-token limit (1,024 for documents, chats and LongBench, 200 for chain-of-thought and AIME, at
 most an eighth of max_seq_length; --max-new-tokens sets one for all).
 
-Length buckets (longspec.measure.evalreport): --lengths, default powers of two from 1k up to the stage's
+Length buckets (longspec.measure.report): --lengths, default powers of two from 1k up to the stage's
 max_seq_length and that length (two at least); a prompt falls in the smallest length >= its
 tokens. Per bucket (eval.json `by_length`) and per benchmark task (`by_task`): prompts, chain and
 tree tau and speed-up, and the input draft's tau on the same prompts (--baseline-draft: the
@@ -37,8 +37,8 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from longspec.measure.evalmeasure import METHODS
-from longspec.measure.evalreport import EVAL_NAME
+from longspec.measure.perprompt import METHODS
+from longspec.measure.report import EVAL_NAME
 from longspec.measure.prompts import (MAX_PROMPTS, MIN_PROMPTS, PROMPT_TOKEN_BUDGET, PromptError,  # noqa: F401 (eval's defaults)
                               conf_get as _get, default_num_prompts)
 
@@ -122,7 +122,7 @@ def load_models(target: Path, draft: Path, sliding_window: int, dtype, device):
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from longspec.model.checkpoint import DraftLoadError
+    from longspec.model.weights import DraftLoadError
     from longspec.model.glide import build_glide
 
     if not (target / "config.json").is_file():
@@ -200,7 +200,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise EvalError(f"--temperature must be a number >= 0 (got {args.temperature})", 2)
     if args.prompts is not None and args.bench is not None:
         raise EvalError("--prompts and --bench: give one of them", 2)
-    from longspec.measure.evalreport import parse_lengths
+    from longspec.measure.report import parse_lengths
 
     if args.lengths is not None:
         try:
@@ -208,7 +208,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         except ValueError as e:
             raise EvalError(f"--lengths: {e}", 2) from None
     args.method = list(dict.fromkeys(args.method or ["chain"]))
-    from longspec.decode.tree_decode import DEFAULT_TREE_SHAPE, parse_tree_shape
+    from longspec.decode.tree import DEFAULT_TREE_SHAPE, parse_tree_shape
 
     args.default_tree = args.tree_shape is None
     try:
@@ -242,7 +242,7 @@ def pick_prompts(args, conf: dict, complete: dict | None, tok, max_seq: int, lim
     """(prompts, info, lengths) of this measurement (longspec.measure.prompts / longspec.measure.benchfiles), each
     prompt with its new-token limit and length bucket; info["prompts_over_longest"] counts those left out."""
     from longspec.measure import benchfiles, prompts as P
-    from longspec.measure.evalreport import default_lengths
+    from longspec.measure.report import default_lengths
 
     if args.bench is not None:
         kind, where = benchfiles.parse_bench(args.bench)
@@ -278,8 +278,8 @@ def pick_prompts(args, conf: dict, complete: dict | None, tok, max_seq: int, lim
 def evaluate(args: argparse.Namespace, log=None) -> dict:
     import torch
 
-    from longspec.measure import evalmeasure, evalreport, prompts as P
-    from longspec.model.checkpoint import DraftLoadError
+    from longspec.measure import perprompt, report, prompts as P
+    from longspec.model.weights import DraftLoadError
     from longspec_cli.core.atomic import sha256_file
 
     run_dir = args.run_dir
@@ -311,7 +311,7 @@ def evaluate(args: argparse.Namespace, log=None) -> dict:
         log(f"[{stage}] {len(prompts)} prompts from {pinfo['prompt_source']}"
             + (f" ({drawn} of them drawn in training)" if drawn else "")
             + (f", {over} longer than {lengths[-1]} tokens left out" if over else "")
-            + ", by length " + ", ".join(f"{evalreport.label(n)}: {c}" for n, c in counts.items())
+            + ", by length " + ", ".join(f"{report.label(n)}: {c}" for n, c in counts.items())
             + f"; {' + '.join(args.method)} (gamma {args.gamma}, tree {list(args.tree_shape)}, "
             + f"temperature {args.temperature:g}), {device.type} {str(dtype).replace('torch.', '')}")
     baseline = None
@@ -319,7 +319,7 @@ def evaluate(args: argparse.Namespace, log=None) -> dict:
         if not args.baseline_draft.exists():
             raise EvalError(f"input draft not found: {args.baseline_draft}", 2)
         try:
-            baseline = evalmeasure.load_baseline(args.baseline_draft, gdraft, dtype, device)
+            baseline = perprompt.load_baseline(args.baseline_draft, gdraft, dtype, device)
         except DraftLoadError as e:
             raise EvalError(f"input draft: {e}", 3) from None
     from longspec.model import kernels   # what each attention runs on, for eval.json's `backend`
@@ -327,10 +327,10 @@ def evaluate(args: argparse.Namespace, log=None) -> dict:
     backend = {"draft_attention": kernels.backend(device, dtype)["attention"],
                "tree_verify": tree_attn.setup_verify(model, device, dtype) if "tree" in args.method else None}
     methods = tuple(args.method)
-    rows = evalmeasure.measure(model, tw, gdraft, prompts, gamma=args.gamma, device=device, log=log,
+    rows = perprompt.measure(model, tw, gdraft, prompts, gamma=args.gamma, device=device, log=log,
                                baseline=baseline, methods=methods, tree_shape=args.tree_shape,
                                temperature=args.temperature, seed=args.seed, no_stop=args.no_eos)
-    figs = evalreport.figures(rows, methods)
+    figs = report.figures(rows, methods)
     per_method = {}
     for m in methods:
         same = [r["lossless" if m == methods[0] else f"{m}_lossless"] for r in rows]
@@ -362,14 +362,14 @@ def evaluate(args: argparse.Namespace, log=None) -> dict:
         "backend": backend,
         "generated_tokens": int(sum(r["new_tokens"] for r in rows)),
         "target_forwards": first["target_forwards"],
-        "by_length": evalreport.by_length(rows, lengths, methods),
+        "by_length": report.by_length(rows, lengths, methods),
     }
     if args.bench is None and args.prompts is None and args.data is None:      # the stage's own prompts
         from longspec.measure.chainwalk import same_as_training
 
         result["continuations"] = same_as_training(run_dir, target, prompts, rows)
     if args.bench is not None:
-        result["by_task"] = evalreport.by_task(rows, lengths, methods)
+        result["by_task"] = report.by_task(rows, lengths, methods)
     if baseline is not None:
         bpath = args.baseline_draft
         result["baseline"] = {**figs["baseline"], "method": methods[0],
@@ -380,7 +380,7 @@ def evaluate(args: argparse.Namespace, log=None) -> dict:
     if not args.no_write:
         from longspec_cli.core.atomic import atomic_write_json
 
-        name = evalreport.result_name(prompts=str(args.prompts) if args.prompts else None, bench=args.bench,
+        name = report.result_name(prompts=str(args.prompts) if args.prompts else None, bench=args.bench,
                                       nondefault=nondefault_settings(args))
         result["eval_json"] = str(run_dir / name)
         atomic_write_json(run_dir / name, result)
@@ -399,7 +399,7 @@ def method_label(m: dict) -> str:
 
 
 def _print_table(r: dict) -> None:
-    from longspec.measure.evalreport import label
+    from longspec.measure.report import label
 
     lossless = {True: "yes", False: "NO", None: "n/a (sampling)"}[r["lossless"]]
     temp = f", temperature {r['temperature']:g}" if r.get("temperature") else ""

@@ -15,7 +15,7 @@ hf           a folder in the layout of the released LongSpec drafts (sail/longsp
 safetensors  one .safetensors file with the same keys; the draft config rides in its metadata.
 
 Both are written atomically (a temp folder or file next to the destination, then a rename) and
-read back with longspec.model.checkpoint.load_draft_state, which must give tensors equal to the
+read back with longspec.model.weights.load_draft_state, which must give tensors equal to the
 source (torch.equal) before the export is reported. Exit codes: 0 ok, 1 refused (destination
 exists without --force, no finished draft), 2 usage, 3 unreadable input.
 """
@@ -167,7 +167,7 @@ def verify_round_trip(state: Mapping[str, Any], path: Path) -> None:
     """load_draft_state(path) must give exactly ``state`` (same keys, dtypes, shapes, values)."""
     import torch
 
-    from longspec.model.checkpoint import load_draft_state
+    from longspec.model.weights import load_draft_state
 
     back = load_draft_state(path)
     if set(back) != set(state):
@@ -183,7 +183,7 @@ def export_draft(weights: Path, target: Path, fmt: str, out: Path, *, sliding_wi
     import torch
     from transformers import AutoConfig
 
-    from longspec.model.checkpoint import DraftLoadError, check_draft_state, load_draft_state
+    from longspec.model.weights import DraftLoadError, check_draft_state, load_draft_state
     from longspec.model.glide import DraftConfig, GlideDraft
     from longspec_cli.core.atomic import sha256_file
 

@@ -8,7 +8,7 @@ OUT/data/{base,long,longcot}.jsonl. The tokenizer and target depend only on TINY
 family, so they are trained once and then copied from a cache ($LONGSPEC_TINY_CACHE, else
 ~/.cache/longspec/tiny/); `seed` only changes the stage data.
 
-The synthetic language, the stage records and the pre-training corpus are longspec.data.tinydata.
+The synthetic language, the stage records and the pre-training corpus are longspec.data.synthetic.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from longspec.data.tinydata import STAGE_DATA, base_records, pretrain_corpus
+from longspec.data.synthetic import STAGE_DATA, base_records, pretrain_corpus
 
 TINY_VERSION = "4"  # the cache key: bump it with any change that alters the target's bytes
 FAMILIES = ("qwen2", "llama")

@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from longspec.training import dsconfig, failure, outputs, simtau
-from longspec.training.dist import print0, progress, rank, seeded, single_process_env, take_local_rank, world_size
+from longspec.training import dsconfig, failure, runwriter, simtau
+from longspec.training.rank import print0, progress, rank, seeded, single_process_env, take_local_rank, world_size
 from longspec.training.entry import TrainError, implied_config_dir, make_hydra_entry, read_config
 from longspec.training.preempt import EXIT_PREEMPTED, WATCH
 from longspec.training.preflight import (DTYPES, Origin, Preflight, config_origin, cpu_adam_error, preflight,
@@ -50,7 +50,7 @@ def run(cfg) -> int:
     started = time.time()
     conf = read_config(cfg)                                   # ConfigError before anything loads
     origin = config_origin()
-    out = outputs.RunWriter(conf["output_dir"], enabled=rank() == 0)
+    out = runwriter.RunWriter(conf["output_dir"], enabled=rank() == 0)
     done = out.stage_complete()
     if done and not conf["force"] and _still_complete(done, out, origin):
         print0(f"[{conf['stage']}] already complete ({done.get('steps')} steps, {out.dir}/"
@@ -72,7 +72,7 @@ def run(cfg) -> int:
     return 0
 
 
-def _still_complete(done: dict, out: outputs.RunWriter, origin: Origin) -> bool:
+def _still_complete(done: dict, out: runwriter.RunWriter, origin: Origin) -> bool:
     if origin.config_sha256 is None or done.get("config_sha256") != origin.config_sha256:
         return False
     weights = out.read.weights_for(done)
@@ -88,11 +88,11 @@ def _still_complete(done: dict, out: outputs.RunWriter, origin: Origin) -> bool:
 class Session:
     """One rank's training run: setup (engine, data, resume), train, finish, close."""
 
-    def __init__(self, conf: dict[str, Any], origin: Origin, out: outputs.RunWriter,
+    def __init__(self, conf: dict[str, Any], origin: Origin, out: runwriter.RunWriter,
                  pre: Preflight, started: float):
         self.conf, self.origin, self.out, self.pre, self.started = conf, origin, out, pre, started
         self.engine = None
-        self.trackers: outputs.Trackers | None = None
+        self.trackers: runwriter.Trackers | None = None
         self.dist_ready = False
         self.ok = False
         self.step = 0
@@ -143,7 +143,7 @@ class Session:
 
         self.backends = self._kernels(accel)               # KernelUnavailable before the model loads
         self.engine = self._engine(ds_conf)
-        self.trackers = outputs.Trackers(conf, self.out.dir, enabled=self.rank == 0)
+        self.trackers = runwriter.Trackers(conf, self.out.dir, enabled=self.rank == 0)
         if resume_from is not None:
             self._resume(resume_from)
             self.simtau.after_resume(self.step)
@@ -190,7 +190,7 @@ class Session:
         import deepspeed
         import torch
 
-        from longspec.model.checkpoint import load_draft_weights
+        from longspec.model.weights import load_draft_weights
         from longspec.model.glide import build_glide
         from longspec.model.zero import parameter_bytes
 
@@ -214,9 +214,9 @@ class Session:
         return engine
 
     def _resume(self, ckpt) -> None:
-        path = ckpt.path / outputs.DS_STATE
+        path = ckpt.path / runwriter.DS_STATE
         loaded, client = self.engine.load_checkpoint(
-            str(path), tag=outputs.DS_TAG, load_module_strict=False,
+            str(path), tag=runwriter.DS_TAG, load_module_strict=False,
             load_optimizer_states=True, load_lr_scheduler_states=True)
         if loaded is None:
             raise TrainError(f"{ckpt.path}: DeepSpeed state could not be loaded")
@@ -334,14 +334,14 @@ class Session:
     def save_checkpoint(self) -> None:
         import torch
 
-        from longspec.model.checkpoint import save_draft
+        from longspec.model.weights import save_draft
 
         path = self.out.checkpoint_dir(self.step)
         progress["writing"] = path
         if self.rank == 0:
             self.out.prepare_checkpoint(self.step)
         torch.distributed.barrier()
-        self.engine.save_checkpoint(str(path / outputs.DS_STATE), tag=outputs.DS_TAG,
+        self.engine.save_checkpoint(str(path / runwriter.DS_STATE), tag=runwriter.DS_TAG,
                                     client_state={"step": self.step}, save_latest=False,
                                     exclude_frozen_parameters=True)
         state = self.draft_state()
@@ -374,7 +374,7 @@ class Session:
     def finish(self) -> None:
         import torch
 
-        from longspec.model.checkpoint import WEIGHTS_NAME, save_draft
+        from longspec.model.weights import WEIGHTS_NAME, save_draft
 
         state = self.saved[1] if self.saved and self.saved[0] == self.step else self.draft_state()
         if self.rank == 0:

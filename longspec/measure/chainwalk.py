@@ -13,7 +13,7 @@ folder (continuations.json) with a digest of what made them (continuation_digest
 config and weight files, the tokenizer files, every prompt's tokens, limit and stop tokens); a
 resume with the same digest reuses them, and `eval` checks its own greedy output against them.
 
-The walk. Greedy chain decoding (longspec.decode.spec_decode.speculative_decode with GlideProposer) with
+The walk. Greedy chain decoding (longspec.decode.chain.speculative_decode with GlideProposer) with
 g tokens generated (prompt P tokens, continuation c_0 .. c_{g-1} verified; the target's cache ends
 at c_{g-2}) proposes d_j, j = 1..gamma, from the draft at position P + g - 2 + j with input token
 c_{g-2+j} (d_{j-1} = c_{g-2+j} whenever proposal j is reached), its self-attention over its own
@@ -63,8 +63,8 @@ def continuation_digest(target: Path, prompts: list) -> str:
 
 
 def stop_end(tokens: list[int], max_new: int, stops) -> int:
-    """How many of ``tokens`` greedy decoding keeps (longspec.decode.spec_decode's own stop rule)."""
-    from longspec.decode.spec_decode import finish_tokens
+    """How many of ``tokens`` greedy decoding keeps (longspec.decode.chain's own stop rule)."""
+    from longspec.decode.chain import finish_tokens
 
     return len(finish_tokens(tokens, max_new, stops)[0])
 
@@ -115,7 +115,7 @@ def greedy_batch(model, ids: list[list[int]], n: int, device) -> list[list[int]]
     decoding)."""
     import torch
 
-    from longspec.decode.spec_decode import _cache_kwarg, _keep_last_kwarg, new_cache
+    from longspec.decode.chain import _cache_kwarg, _keep_last_kwarg, new_cache
 
     B, T = len(ids), max(len(r) for r in ids)
     inp = torch.zeros(B, T, dtype=torch.long)

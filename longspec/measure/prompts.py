@@ -54,7 +54,7 @@ class Prompt:
     kind: str                        # a DEFAULT_NEW_TOKENS key
     max_new: int = 0                 # filled by limit_new_tokens
     task: str | None = None          # a benchmark's task
-    bucket: int | None = None        # its context-length bucket (longspec.measure.evalreport.bucket_of)
+    bucket: int | None = None        # its context-length bucket (longspec.measure.report.bucket_of)
     stops: tuple[int, ...] = field(default_factory=tuple)
 
 
@@ -159,8 +159,8 @@ def default_num_prompts(context_tokens: int, buckets: int = 1) -> int:
 def measured_prompts(prompts: list[Prompt], lengths: list[int], max_new: int | None,
                      max_seq: int) -> tuple[list[Prompt], int]:
     """(the prompts a measurement decodes, how many were longer than every length): each with its
-    new-token limit (limit_new_tokens) and its length bucket (longspec.measure.evalreport.bucket_of)."""
-    from longspec.measure.evalreport import bucket_of
+    new-token limit (limit_new_tokens) and its length bucket (longspec.measure.report.bucket_of)."""
+    from longspec.measure.report import bucket_of
 
     limit_new_tokens(prompts, max_new, max_seq)
     for p in prompts:
@@ -174,7 +174,7 @@ def default_prompts(path: Path, tokenizer, conf: dict, steps: int | None, *, len
     """A stage's measurement from its own records: `eval`'s default one (and, with the run's step
     count, what the trainer's simulated tau decodes: longspec.measure.chainwalk). (prompts with limits
     and buckets, info, lengths); the arguments are eval's --lengths, --num-prompts, --max-new-tokens."""
-    from longspec.measure.evalreport import default_lengths
+    from longspec.measure.report import default_lengths
 
     max_seq = int(conf_get(conf, "data.max_seq_length", 1024))
     lengths = lengths or default_lengths(max_seq)
@@ -280,7 +280,7 @@ def stage_prompts(path: Path, tokenizer, conf: dict, steps: int | None, *, lengt
 
 def _pick(tail, seen, path: Path, tokenizer, lengths, per_length, stops, short_whole: bool):
     """(prompts in file order, the fresh ones): newest never-drawn records first, drawn ones fill the rest."""
-    from longspec.measure.evalreport import bucket_of
+    from longspec.measure.report import bucket_of
 
     fresh: list[Prompt] = []
     drawn: list[Prompt] = []

@@ -284,7 +284,7 @@ def build_glide(
     module's, gathered, while the weights load) and only rank 0 reads the target's weights from
     disk. The config's bf16 / fp16 blocks must say ``dtype``.
     """
-    from longspec.model.checkpoint import load_draft_state, load_draft_weights
+    from longspec.model.weights import load_draft_state, load_draft_weights
 
     if zero3_config is not None:
         if zero3_dtype(zero3_config) != dtype:

@@ -43,7 +43,7 @@ def report_error(message: str, hint: str | None = None) -> None:
 
 def user_errors() -> tuple[type[BaseException], ...]:
     errors: list[type[BaseException]] = [dsconfig.ConfigError, TrainError]
-    from longspec.model.checkpoint import DraftLoadError
+    from longspec.model.weights import DraftLoadError
     from longspec.training.simtau import HeldoutChanged
 
     errors += [DraftLoadError, HeldoutChanged]

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from longspec.training import dsconfig, outputs
-from longspec.training.dist import progress, rank
+from longspec.training import dsconfig, runwriter
+from longspec.training.rank import progress, rank
 from longspec.training.entry import EXIT_ERROR, report_error, user_errors
 from longspec.training.preempt import EXIT_INTERRUPTED
 
@@ -46,7 +46,7 @@ def _error_event(cfg, message: str) -> None:
         return
     if out_dir.is_dir():
         try:
-            outputs.RunWriter(out_dir).event("error", progress["step"], message=message)
+            runwriter.RunWriter(out_dir).event("error", progress["step"], message=message)
         except OSError:
             pass                       # a full disk: the error block on stderr says it all
 
@@ -62,5 +62,5 @@ def _write_failure(cfg, e: BaseException) -> str:
         out_dir = Path(".")
     path = progress["writing"] or diskspace.failed_path(e) or "the training log (stdout)"
     if rank() == 0:
-        outputs.RunWriter(out_dir).drop_incomplete_checkpoints()
+        runwriter.RunWriter(out_dir).drop_incomplete_checkpoints()
     return diskspace.write_failure(path, out_dir, e)

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from longspec.training import outputs
-from longspec.training.dist import print0, rank
+from longspec.training import runwriter
+from longspec.training.rank import print0, rank
 from longspec.training.entry import TrainError
 from longspec_cli.core import runfolder
 from longspec_cli.core.datafiles import names_data
@@ -47,7 +47,7 @@ def config_origin() -> Origin:
                 exp_file = candidate.resolve()
                 break
     overrides = runfolder.config_overrides(hc.overrides.task)
-    sha = outputs.fingerprint(exp_file, overrides) if exp_file else None
+    sha = runwriter.fingerprint(exp_file, overrides) if exp_file else None
     return Origin(exp_file, overrides, sha)
 
 
@@ -130,7 +130,7 @@ def load_draft(path: Path, tcfg, conf: dict[str, Any]):
     """Load the input draft safely (weights_only) and check it against a meta-device draft."""
     import torch
 
-    from longspec.model.checkpoint import check_draft_state, load_draft_state
+    from longspec.model.weights import check_draft_state, load_draft_state
     from longspec.model.glide import DraftConfig, GlideDraft
     from longspec_cli.core.atomic import sha256_file
 

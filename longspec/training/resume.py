@@ -18,12 +18,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from longspec.training import outputs
+from longspec.training import runwriter
 from longspec.training.entry import TrainError
 from longspec_cli.core.mathkeys import differences, math_config, resume_blockers, show_changes
 
 
-def decide_resume(out: outputs.RunWriter, origin, conf: dict[str, Any]):
+def decide_resume(out: runwriter.RunWriter, origin, conf: dict[str, Any]):
     """The complete checkpoint to resume from (or None). A checkpoint of another config is resumed
     when only non-math keys differ, or only the schedule's length with resume_schedule=stretch;
     otherwise TrainError, with the checkpoints left in place."""

@@ -162,7 +162,7 @@ class SimTau:
             return
         if self.rank == 0:
             self._drop_best()
-            from longspec.training.dist import print0
+            from longspec.training.rank import print0
 
             print0(f"[resume] best.json was from step {best['step']}, after the checkpoint at step {step}: "
                    "dropped, the resumed draft is measured now")
@@ -202,7 +202,7 @@ class SimTau:
         prompts, self.lengths, target, why = self._prompts(session)
         if prompts is None:
             self.prompts, self.every = [], 0
-            from longspec.training.dist import print0
+            from longspec.training.rank import print0
 
             print0(f"[{session.conf['stage']}] note: no tau while training: {why}")
             return
@@ -284,7 +284,7 @@ class SimTau:
             extra = {"continuations_s": round(t1 - t0, 3), "continuations_made": self.continuations_s is not None} \
                 if first else {}
             self.out.record({**record, **extra, "eval_s": round(time.time() - t1, 3)})
-            from longspec.training.dist import print0
+            from longspec.training.rank import print0
 
             print0(f"[{session.conf['stage']}] step {step}: tau {tau:.3f} (eval's chain, {len(self.prompts)} prompts; "
                    + ", ".join(f"{b['length']}: {b['tau']:.2f}" for b in fig["by_length"]) + "; accepted at position "
@@ -293,7 +293,7 @@ class SimTau:
 
     def _save_best(self, session, step: int, tau: float, fig: dict) -> None:
         """The draft into best/ (weights first, best.json last, both atomic). Collective under ZeRO-3."""
-        from longspec.model.checkpoint import save_draft
+        from longspec.model.weights import save_draft
         from longspec_cli.core.atomic import sha256_file
 
         state = session.draft_state()

@@ -1,6 +1,6 @@
 """Disk estimate of one training stage (checkpoints + final weights) against output_dir's free space.
 
-What the trainer writes (longspec/train.py, longspec/model/checkpoint.py), per checkpoint-<step>/:
+What the trainer writes (longspec/train.py, longspec/model/weights.py), per checkpoint-<step>/:
     draft_model_weights.pth + .safetensors   every draft parameter, twice, at the precision's bytes
     ds/state/*model_states.pt                 the trainable draft parameters (frozen ones excluded)
     ds/state/*optim_states.pt                 Adam under ZeRO >= 1: fp32 master + 2 fp32 moments

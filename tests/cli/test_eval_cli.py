@@ -209,7 +209,7 @@ _FINISH = r"""
 import json, sys, torch
 from pathlib import Path
 from transformers import AutoConfig
-from longspec.model.checkpoint import save_draft
+from longspec.model.weights import save_draft
 from longspec.model.glide import DraftConfig, GlideDraft
 from longspec_cli.core.atomic import sha256_file
 from longspec_cli.core.runfolder import config_fingerprint

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from longspec.model.checkpoint import (
+from longspec.model.weights import (
     SAFETENSORS_NAME,
     WEIGHTS_NAME,
     DraftLoadError,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from longspec.measure import benchfiles, evalreport, prompts as P
+from longspec.measure import benchfiles, report, prompts as P
 from tests.hubfiles import write_aime_parquet, write_parquet_shards, zip_longbench
 
 
@@ -65,25 +65,25 @@ def test_a_document_prompt_in_bucket_L_has_L_tokens(tok):
     prompts = P.record_prompts({"text": text}, "doc.jsonl:1", tok, lengths, ())
     assert [len(p.ids) for p in prompts] == [64, 256, 1024]               # none at 4096: the document is shorter
     for p in prompts:
-        L = evalreport.bucket_of(len(p.ids), lengths)
+        L = report.bucket_of(len(p.ids), lengths)
         assert L == len(p.ids) and p.ids == ids[:L] and p.kind == "document"
     P.limit_new_tokens(prompts, None, 32768)
     assert {p.max_new for p in prompts} == {1024}                         # upstream's LongBench figure
 
 
 def test_length_buckets():
-    assert evalreport.parse_lengths("1k,4k, 16k,32768") == [1024, 4096, 16384, 32768]
+    assert report.parse_lengths("1k,4k, 16k,32768") == [1024, 4096, 16384, 32768]
     for bad in ("1k,x", "0", "-4k", ""):
         with pytest.raises(ValueError):
-            evalreport.parse_lengths(bad)
-    assert evalreport.default_lengths(32768) == [1024, 2048, 4096, 8192, 16384, 32768]
-    assert evalreport.default_lengths(3000) == [1024, 2048, 3000]
-    assert evalreport.default_lengths(512) == [256, 512]                  # two buckets at least
-    assert evalreport.default_lengths(128) == [64, 128]
-    assert [evalreport.bucket_of(n, [256, 512]) for n in (1, 256, 257, 512, 513)] == [256, 256, 512, 512, None]
-    assert evalreport.result_name(prompts=None, bench=None, nondefault=[]) == "eval.json"
-    assert evalreport.result_name(prompts=None, bench="longbench:/x/y", nondefault=[]) == "eval-longbench.json"
-    assert evalreport.result_name(prompts="/a/my p.jsonl", bench=None, nondefault=["gamma2"]) == \
+            report.parse_lengths(bad)
+    assert report.default_lengths(32768) == [1024, 2048, 4096, 8192, 16384, 32768]
+    assert report.default_lengths(3000) == [1024, 2048, 3000]
+    assert report.default_lengths(512) == [256, 512]                  # two buckets at least
+    assert report.default_lengths(128) == [64, 128]
+    assert [report.bucket_of(n, [256, 512]) for n in (1, 256, 257, 512, 513)] == [256, 256, 512, 512, None]
+    assert report.result_name(prompts=None, bench=None, nondefault=[]) == "eval.json"
+    assert report.result_name(prompts=None, bench="longbench:/x/y", nondefault=[]) == "eval-longbench.json"
+    assert report.result_name(prompts="/a/my p.jsonl", bench=None, nondefault=["gamma2"]) == \
         "eval-prompts-my-p-gamma2.json"
 
 
@@ -185,7 +185,7 @@ def test_stage_prompts_from_parquet_name_file_and_row(tok, tmp_path):
 
 
 def test_decoding_stops_at_the_end_of_turn_or_the_eos():
-    from longspec.decode.spec_decode import _finish
+    from longspec.decode.chain import _finish
 
     assert _finish([5, 2, 7], 10, (0, 2)) == ([5, 2], True)       # the end-of-turn token, kept
     assert _finish([5, 0, 2], 10, (0, 2)) == ([5, 0], True)       # the EOS

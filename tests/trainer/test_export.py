@@ -1,6 +1,6 @@
 """Export of a stage's draft: HF folder (released-LongSpec layout) and a plain .safetensors file.
 
-Round trips go through longspec.model.checkpoint.load_draft_state and must give identical tensors.
+Round trips go through longspec.model.weights.load_draft_state and must give identical tensors.
 The HF folder is also loaded the way the reference inference code loads a released draft: a
 PreTrainedModel whose config class is the target family's and whose state dict is the bare
 decoder block (built here from transformers' modules in the reference layout, not from
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from longspec.model.checkpoint import load_draft_state, save_draft
+from longspec.model.weights import load_draft_state, save_draft
 from longspec.evaluate import EvalError
 from longspec.export import export_draft
 from longspec.model.glide import DraftConfig, GlideDraft

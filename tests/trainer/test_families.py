@@ -145,7 +145,7 @@ def test_new_family_from_init_to_export(family_project, tmp_path):
     assert json_tail(ex.stdout)["verified"] is True
     import torch
 
-    from longspec.model.checkpoint import load_draft_state
+    from longspec.model.weights import load_draft_state
 
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == [f"{'Qwen3' if family == 'qwen3' else 'Mistral'}GlideDecoderLayer"]

@@ -10,8 +10,8 @@ import torch
 
 from longspec.model import kernels
 from longspec.decode import tree_attn
-from longspec.decode.spec_decode import GlideProposer, greedy_decode, new_cache, speculative_decode
-from longspec.decode.tree_decode import GlideTreeProposer, TokenTree, prefill_logits, tree_decode, verify_tree
+from longspec.decode.chain import GlideProposer, greedy_decode, new_cache, speculative_decode
+from longspec.decode.tree import GlideTreeProposer, TokenTree, prefill_logits, tree_decode, verify_tree
 from tests.standins import reached_from, sites
 from tests.trainer.conftest import make_tiny_target
 from tests.trainer.test_spec_decode import _deterministic, prompt, random_glide  # noqa: F401 (fixture)
@@ -29,7 +29,7 @@ def test_chain_decode_with_a_flash_draft_equals_greedy(family, fused_standins):
         glide.draft.to(torch.bfloat16)
         got = speculative_decode(target, GlideProposer(glide.target, glide.draft), p, 3, 30)
         assert got.tokens == ref.tokens
-    assert reached_from(fused_standins.flash.CALLERS, "decode/spec_decode.py")
+    assert reached_from(fused_standins.flash.CALLERS, "decode/chain.py")
     assert sites(fused_standins.flash.CALLERS) == {("model/kernels.py", "_flash_attention")}
 
 
@@ -48,7 +48,7 @@ def test_tree_decode_under_the_standins_equals_greedy(family, fused_standins):
         got = tree_decode(target, GlideTreeProposer(glide.target, glide.draft), p, (2, 3, 1), 30)
         assert got.tokens == ref.tokens
     assert ("decode/tree_attn.py", "_flash_prefix") in sites(fused_standins.flash.CALLERS)
-    assert reached_from(fused_standins.flash.CALLERS, "decode/tree_decode.py")
+    assert reached_from(fused_standins.flash.CALLERS, "decode/tree.py")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -300,7 +300,7 @@ def test_mismatched_draft_is_refused():
 
 
 def test_build_glide_from_folder_with_draft(tmp_path, tiny_target):
-    from longspec.model.checkpoint import save_draft
+    from longspec.model.weights import save_draft
 
     tiny_target.save_pretrained(tmp_path / "target")
     first = build_glide(tmp_path / "target", sliding_window=8, dtype=torch.float32)
@@ -328,7 +328,7 @@ def _zero3_worker(rank: int, world: int, port: int) -> None:
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_grad
 
-    from longspec.model.checkpoint import gather_draft_state
+    from longspec.model.weights import gather_draft_state
 
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(1)

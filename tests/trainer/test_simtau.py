@@ -125,7 +125,7 @@ def test_the_chain_walk_is_evals_greedy_chain_tau():
     """The walk over the target's greedy continuation and the draft's teacher-forced lags gives,
     block for block, what eval's greedy chain decoding (evalmeasure.decoder) gives on the same
     prompts; and it fails to when the stop rule, the limit or the prompts drift apart."""
-    from longspec.measure.evalmeasure import decoder
+    from longspec.measure.perprompt import decoder
 
     model, prompts = walk_draft(), walk_prompts()
     fig, conts = chain_walk_tau(model, prompts)
@@ -188,8 +188,8 @@ def test_a_resume_from_before_the_best_step_drops_that_best_draft(tmp_path):
     checkpoint-50 rolls step 60 back, so its best draft goes and the resumed draft is measured."""
     import torch.distributed as dist
 
-    from longspec.model.checkpoint import save_draft
-    from longspec.training.outputs import RunWriter
+    from longspec.model.weights import save_draft
+    from longspec.training.runwriter import RunWriter
     from longspec_cli.core import runfolder
     from longspec_cli.core.atomic import atomic_write_json, sha256_file
 

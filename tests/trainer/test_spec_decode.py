@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from longspec.model.glide import DraftConfig, GlideDraft
-from longspec.decode.spec_decode import (
+from longspec.decode.chain import (
     GlideProposer,
     cache_length,
     crop_cache,
@@ -303,7 +303,7 @@ def test_default_prompt_count_follows_a_token_budget():
 
 def test_prefill_keeps_only_the_last_positions_logits(tiny_target):
     """A long prompt's prefill must not hold (T, V) logits: the model is asked for the last one."""
-    from longspec.decode.spec_decode import _keep_last_kwarg
+    from longspec.decode.chain import _keep_last_kwarg
 
     assert _keep_last_kwarg(tiny_target) in ({"logits_to_keep": 1}, {"num_logits_to_keep": 1})
     ids = prompt(12)

@@ -19,7 +19,7 @@ from longspec.tiny import (FAMILIES, TINY_VERSION, TinyBuildError, build_tiny, c
                            tiny_target_info)
 from longspec.measure.prompts import record_prompts
 from longspec.show import inspect_record
-from longspec.data.tinydata import pretrain_corpus, record_text
+from longspec.data.synthetic import pretrain_corpus, record_text
 
 ROOT = Path(__file__).resolve().parents[2]
 # the tiny preset's long and longcot max_seq_length (the same for both)

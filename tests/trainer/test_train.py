@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from longspec.training import dist, entry, preflight
+from longspec.training import rank, entry, preflight
 from longspec_cli.core import runfolder
 
 REPO = Path(__file__).resolve().parents[2]
@@ -182,10 +182,10 @@ def base_run(tiny, tmp_path_factory) -> dict:
 
 def test_take_local_rank_strips_both_spellings(monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    assert dist.take_local_rank(["--local_rank=3", "+exp=base", "max_steps=4"]) == ["+exp=base", "max_steps=4"]
+    assert rank.take_local_rank(["--local_rank=3", "+exp=base", "max_steps=4"]) == ["+exp=base", "max_steps=4"]
     assert os.environ["LOCAL_RANK"] == "3"
     monkeypatch.delenv("LOCAL_RANK")
-    assert dist.take_local_rank(["--local_rank", "1", "x=1"]) == ["x=1"]
+    assert rank.take_local_rank(["--local_rank", "1", "x=1"]) == ["x=1"]
     assert os.environ["LOCAL_RANK"] == "1"
 
 
@@ -201,16 +201,16 @@ def test_config_dir_is_implied_only_from_a_project_folder(tmp_path, monkeypatch)
 def test_seeded_generators_repeat_for_the_same_step_and_differ_across_steps():
     import torch
 
-    a = torch.randint(0, 1 << 30, (4,), generator=dist.seeded(42, 7, 0, 0))
-    b = torch.randint(0, 1 << 30, (4,), generator=dist.seeded(42, 7, 0, 0))
-    c = torch.randint(0, 1 << 30, (4,), generator=dist.seeded(42, 8, 0, 0))
+    a = torch.randint(0, 1 << 30, (4,), generator=rank.seeded(42, 7, 0, 0))
+    b = torch.randint(0, 1 << 30, (4,), generator=rank.seeded(42, 7, 0, 0))
+    c = torch.randint(0, 1 << 30, (4,), generator=rank.seeded(42, 8, 0, 0))
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
 def make_checkpoint(run: Path, step: int, complete: bool = True, sha: str = "cfg", math: dict | None = None) -> Path:
-    from longspec.training import outputs
+    from longspec.training import runwriter
 
-    writer = outputs.RunWriter(run)
+    writer = runwriter.RunWriter(run)
     path = writer.prepare_checkpoint(step)
     (path / "draft_model_weights.pth").write_bytes(b"x")
     if complete:
@@ -219,11 +219,11 @@ def make_checkpoint(run: Path, step: int, complete: bool = True, sha: str = "cfg
 
 
 def test_rotation_keeps_the_newest_complete_checkpoints_and_drops_crash_leftovers(tmp_path):
-    from longspec.training import outputs
+    from longspec.training import runwriter
 
     for step, complete in ((5, True), (10, True), (12, False), (15, True), (20, False)):
         make_checkpoint(tmp_path, step, complete)
-    removed = outputs.RunWriter(tmp_path).rotate(keep=2, current_step=15)
+    removed = runwriter.RunWriter(tmp_path).rotate(keep=2, current_step=15)
     assert sorted(p.name for p in removed) == ["checkpoint-12", "checkpoint-5"]
     # 20 is newer than the step being saved: not ours to judge, left alone
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-10", "checkpoint-15", "checkpoint-20"]
@@ -236,9 +236,9 @@ RESUME_CONF = {"stage": "base", "force": False, "resume_schedule": "refuse", "le
 
 
 def test_resume_picks_the_newest_complete_checkpoint_and_refuses_another_config(tmp_path):
-    from longspec.training import outputs, resume
+    from longspec.training import runwriter, resume
 
-    writer = outputs.RunWriter(tmp_path)
+    writer = runwriter.RunWriter(tmp_path)
     origin = preflight.Origin(exp_file=None, overrides=[], config_sha256="cfg")
     conf = dict(RESUME_CONF)
     assert resume.decide_resume(writer, origin, conf) is None
@@ -253,9 +253,9 @@ def test_resume_picks_the_newest_complete_checkpoint_and_refuses_another_config(
 
 
 def test_only_math_keys_block_a_resume_and_a_longer_schedule_needs_stretch(tmp_path):
-    from longspec.training import outputs, resume
+    from longspec.training import runwriter, resume
 
-    writer = outputs.RunWriter(tmp_path)
+    writer = runwriter.RunWriter(tmp_path)
     origin = preflight.Origin(exp_file=None, overrides=[], config_sha256="now")
     conf = dict(RESUME_CONF)
     # saving, logging, tracking, eval, kernels: the checkpoint resumes
@@ -460,7 +460,7 @@ def test_stage1_one_rank_zero1_trains_and_fills_the_run_folder(base_run):
     for c in kept:
         assert (c.path / "draft_model_weights.pth").is_file() and (c.path / "ds").is_dir()
 
-    from longspec.model.checkpoint import load_draft_state
+    from longspec.model.weights import load_draft_state
     from longspec_cli.core.atomic import sha256_file
 
     done = json.loads((run / "stage_complete.json").read_text())
@@ -637,7 +637,7 @@ def test_stage2_two_ranks_zero3_offload_chains_from_stage1_and_every_rank_exits_
     start = [e for e in events_of(run) if e["event"] == "start"][0]
     assert start["world_size"] == 2
 
-    from longspec.model.checkpoint import load_draft_state
+    from longspec.model.weights import load_draft_state
 
     # gathered under ZeRO-3: full shapes, the same keys as stage 1, and training moved them
     final, initial = load_draft_state(run / "draft_model_weights.pth"), load_draft_state(stage1)
@@ -675,7 +675,7 @@ def assert_half(held: int, whole: int, world: int = 2) -> None:
 ZERO3_BUILD = """
 import json, sys
 import torch, deepspeed
-from longspec.model.checkpoint import gather_draft_state
+from longspec.model.weights import gather_draft_state
 from longspec.model.glide import build_glide
 from longspec.model.zero import parameter_bytes
 
@@ -731,8 +731,8 @@ def test_zero3_build_partitions_target_and_draft_on_each_rank_with_unchanged_val
                            tiny["target"], str(out)], cwd=tmp_path, env=env(), capture_output=True,
                           text=True, timeout=LAUNCH_TIMEOUT)
     assert proc.returncode == 0, show(proc)
-    for rank in (0, 1):
-        r = json.loads(Path(f"{out}.{rank}.json").read_text())
+    for i in (0, 1):
+        r = json.loads(Path(f"{out}.{i}.json").read_text())
         assert r["partitioned"] == r["names"]                  # every parameter, target and draft
         assert r["plain"][0] == r["plain"][1] == r["target"][1]  # without ZeRO-3: the whole target
         assert_half(*r["target"])

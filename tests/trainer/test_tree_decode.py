@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from longspec.decode import tree_attn
-from longspec.decode.spec_decode import GlideProposer, _cache_kwarg, cache_length, crop_cache, greedy_decode, new_cache, speculative_decode
-from longspec.decode.tree_decode import (
+from longspec.decode.chain import GlideProposer, _cache_kwarg, cache_length, crop_cache, greedy_decode, new_cache, speculative_decode
+from longspec.decode.tree import (
     GlideTreeProposer, TokenTree, grow_level, keep_path, parse_tree_shape, prefill_logits, sample_decode,
     tree_decode, verify_tree,
 )
@@ -42,7 +42,7 @@ class TargetTreeProposer:
         pass
 
     def propose_tree(self, seq, cache, shape, temperature=0.0, generator=None):
-        from longspec.decode.tree_decode import _log_proposal
+        from longspec.decode.tree import _log_proposal
 
         crop_cache(self.cache, min(cache_length(self.cache), seq.shape[1] - 1))
         gap = seq[:, cache_length(self.cache):-1]

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 import torch
 
-from longspec.model.checkpoint import save_draft
+from longspec.model.weights import save_draft
 from longspec_cli.core import diskspace
 
 

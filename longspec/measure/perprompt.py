@@ -1,5 +1,5 @@
 """Decode every evaluation prompt plainly and speculatively (chain, tree, the input draft) and
-keep per-prompt figures; longspec.measure.evalreport sums them per length bucket and per task."""
+keep per-prompt figures; longspec.measure.report sums them per length bucket and per task."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,8 +11,8 @@ def decoder(model, target, *, method: str, gamma: int, tree_shape, temperature: 
     """f(draft, prompt (1, P), generator, max_new, stops) -> DecodeResult for one method. The greedy
     chain keeps its own loop; a sampled chain is the tree code with one node per level (the same
     acceptance rule)."""
-    from longspec.decode.spec_decode import GlideProposer, speculative_decode
-    from longspec.decode.tree_decode import GlideTreeProposer, chain_shape, tree_decode
+    from longspec.decode.chain import GlideProposer, speculative_decode
+    from longspec.decode.tree import GlideTreeProposer, chain_shape, tree_decode
 
     if method == "chain" and temperature == 0:
         return lambda d, p, g, n, stops: speculative_decode(model, GlideProposer(target, d), p, gamma, n, stops)
@@ -22,8 +22,8 @@ def decoder(model, target, *, method: str, gamma: int, tree_shape, temperature: 
 
 
 def plain_decoder(model, *, temperature: float):
-    from longspec.decode.spec_decode import greedy_decode
-    from longspec.decode.tree_decode import sample_decode
+    from longspec.decode.chain import greedy_decode
+    from longspec.decode.tree import sample_decode
 
     if temperature == 0:
         return lambda p, g, n, stops: greedy_decode(model, p, n, stops)
@@ -91,8 +91,8 @@ def measure(model, target, draft, prompts: list, *, gamma: int, device, log=None
 
 def load_baseline(path: Path, draft, dtype, device):
     """The input draft (the draft_from stage's final draft, same shape), for a same-prompts comparison.
-    Raises longspec.model.checkpoint.DraftLoadError for an unusable file."""
-    from longspec.model.checkpoint import load_draft_state, load_draft_weights
+    Raises longspec.model.weights.DraftLoadError for an unusable file."""
+    from longspec.model.weights import load_draft_state, load_draft_weights
     from longspec.model.glide import GlideDraft
 
     other = GlideDraft(draft.config).to(dtype)

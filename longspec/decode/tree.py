@@ -52,7 +52,7 @@ import torch.nn as nn
 
 from longspec.decode import tree_attn
 from longspec.model.glide import apply_rope
-from longspec.decode.spec_decode import (
+from longspec.decode.chain import (
     DecodeResult, GlideProposer, _cache_kwarg, _check_prompt, _finish, _sync, cache_length, crop_cache,
     last_layer_kv, new_cache, target_logits,
 )
