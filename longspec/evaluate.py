@@ -35,64 +35,14 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Mapping
 
 from longspec.measure.perprompt import METHODS
 from longspec.measure.report import EVAL_NAME
+from longspec.measure.runread import EvalError, as_path, read_run, stage_draft
 from longspec.measure.prompts import (MAX_PROMPTS, MIN_PROMPTS, PROMPT_TOKEN_BUDGET, PromptError,  # noqa: F401 (eval's defaults)
                               conf_get as _get, default_num_prompts)
 
 DEFAULT_GAMMA = 4
-
-
-def stage_draft(run_dir: Path, conf: Mapping, complete: Mapping | None, args) -> tuple[str, Path, Path, int]:
-    """(stage, draft weights, target, sliding window) of a run folder; --stage/--draft/--target/
-    --sliding-window in ``args`` win over what the run recorded. Shared by eval and export."""
-    from longspec_cli.core import runfolder
-
-    stage = args.stage or _get(conf, "stage") or (complete or {}).get("stage") or run_dir.name
-    draft = args.draft
-    if draft is None:
-        if complete is None:
-            raise EvalError(f"stage {stage} has no finished draft ({run_dir} has no stage_complete.json)", 1,
-                            hint="train the stage first, or pass --draft PATH")
-        draft = runfolder.RunDir(run_dir).weights_for(complete)
-    if not draft.exists():
-        raise EvalError(f"draft weights not found: {draft}", 1 if args.draft is None else 2)
-    target = args.target or _path(_get(conf, "model_name_or_path")) or _path((complete or {}).get("target"))
-    if target is None:
-        raise EvalError(f"{run_dir}: no target recorded (training_config.yaml missing)", 2, hint="pass --target PATH")
-    window = args.sliding_window or int(_get(conf, "draft.sliding_window", 512))
-    return str(stage), draft, target, window
-
-
-class EvalError(Exception):
-    """A user-facing failure with an exit code (1 refused, 2 usage, 3 unreadable input)."""
-
-    def __init__(self, message: str, code: int = 2, hint: str | None = None):
-        super().__init__(message)
-        self.message, self.code, self.hint = message, code, hint
-
-
-# ----------------------------------------------------------------------------- run folder
-
-def read_run(run_dir: Path) -> tuple[dict, dict | None]:
-    """(resolved training config or {}, stage_complete.json or None)."""
-    from longspec_cli.core import runfolder, yamlio
-
-    if not run_dir.is_dir():
-        raise EvalError(f"{run_dir}: no such run folder", 2)
-    conf: dict = {}
-    cfg_path = run_dir / "training_config.yaml"
-    if cfg_path.is_file():
-        try:
-            conf = yamlio.to_plain(yamlio.load_mapping(cfg_path).data)
-        except yamlio.YamlError as e:
-            raise EvalError(e.message, 3) from None
-    complete, why = runfolder.read_json(run_dir / runfolder.STAGE_COMPLETE)
-    if why:
-        raise EvalError(why, 3)
-    return conf, complete
 
 
 # ----------------------------------------------------------------------------- models
@@ -260,10 +210,10 @@ def pick_prompts(args, conf: dict, complete: dict | None, tok, max_seq: int, lim
         prompts, info = P.file_prompts(args.prompts, tok, lengths=lengths, n=args.num_prompts)
         prompts, info["prompts_over_longest"] = P.measured_prompts(prompts, lengths, args.max_new_tokens, max_seq)
         return prompts, info, lengths
-    data = args.data or _path(_get(conf, "train_file"))
+    data = args.data or as_path(_get(conf, "train_file"))
     if data is None:
         raise EvalError(f"{args.run_dir}: no train_file recorded", 2, hint="pass --prompts FILE or --data FILE")
-    trained_on = _path(_get(conf, "train_file"))
+    trained_on = as_path(_get(conf, "train_file"))
     same_data = trained_on is not None and Path(data).resolve() == trained_on.resolve()
     # a draft of this run (its final one, a checkpoint, best/) was trained on the records the run drew
     ours = args.draft is None or Path(args.run_dir).resolve() in Path(args.draft).resolve().parents
@@ -385,10 +335,6 @@ def evaluate(args: argparse.Namespace, log=None) -> dict:
         result["eval_json"] = str(run_dir / name)
         atomic_write_json(run_dir / name, result)
     return result
-
-
-def _path(value: Any) -> Path | None:
-    return Path(str(value)).expanduser() if value not in (None, "", "???") else None
 
 
 def method_label(m: dict) -> str:

@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
-from longspec.evaluate import EvalError, read_run, stage_draft
+from longspec.measure.runread import EvalError, read_run, stage_draft
 from longspec_cli.core.atomic import fsync_path
 
 FORMATS = ("hf", "safetensors")

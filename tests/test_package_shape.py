@@ -154,3 +154,76 @@ def test_no_module_over_450_lines():
     over = over_limit()
     assert not over, "modules over 450 lines (split them by job): " + ", ".join(
         f"{f} ({n})" for f, n in sorted(over.items()))
+
+
+# ----------------------------------------------------------------------------- the trainer's layers
+
+# Each group of the trainer imports only the groups below it; the modules people run
+# (`python -m longspec.train`, ...) sit on top and may use any group, never one another.
+LAYERS = {
+    "longspec.model": set(),
+    "longspec.data": set(),
+    "longspec.decode": {"longspec.model"},
+    "longspec.measure": {"longspec.model", "longspec.data", "longspec.decode"},
+    "longspec.training": {"longspec.model", "longspec.data", "longspec.decode", "longspec.measure"},
+}
+RUNNABLE = {"train", "prepare", "show", "evaluate", "export", "draftcheck", "tiny", "nodelaunch", "nodectl"}
+
+
+def _group(mod: str) -> str | None:
+    """The trainer group a module belongs to ('longspec.model'), 'longspec' for a top module, else None."""
+    parts = mod.split(".")
+    if parts[0] != "longspec" or len(parts) == 1:
+        return None
+    return ".".join(parts[:2]) if len(parts) > 2 or f"longspec.{parts[1]}" in LAYERS else "longspec"
+
+
+def layer_breaches(graph: dict[str, set[str]]) -> list[str]:
+    out = []
+    for mod, deps in sorted(graph.items()):
+        group = _group(mod)
+        for dep in sorted(deps):
+            dgroup = _group(dep)
+            if group is None or dgroup is None or dgroup == group and group != "longspec":
+                continue
+            if group == "longspec":
+                if dgroup == "longspec":
+                    out.append(f"{mod} -> {dep} (a module people run imports another)")
+            elif dgroup == "longspec" or dgroup not in LAYERS[group]:
+                out.append(f"{mod} -> {dep} ({group} may import only {sorted(LAYERS[group]) or 'none of the groups'})")
+    return out
+
+
+def test_trainer_groups_import_only_the_layers_below():
+    graph = import_graph()
+    groups = {m.rsplit(".", 1)[0] for m in graph if m.count(".") == 2 and m.startswith("longspec.")}
+    assert groups == set(LAYERS), "a trainer group is missing from the layer map"
+    tops = {m for m in graph if m.count(".") == 1 and m.startswith("longspec.")} - set(LAYERS)
+    assert tops == {f"longspec.{m}" for m in RUNNABLE}, "the trainer's top holds the modules people run, no others"
+    breaches = layer_breaches(graph)
+    assert not breaches, "imports against the layers:\n  " + "\n  ".join(breaches)
+
+
+def test_layer_check_sees_an_upward_import():
+    graph = {"longspec.model.glide": {"longspec.data.encoding"}, "longspec.data.encoding": set(),
+             "longspec.training.simtau": {"longspec.evaluate"}, "longspec.evaluate": set(),
+             "longspec.export": {"longspec.evaluate"}, "longspec.measure.prompts": {"longspec.data.chat"},
+             "longspec.data.chat": set()}
+    assert layer_breaches(graph) == [
+        "longspec.export -> longspec.evaluate (a module people run imports another)",
+        "longspec.model.glide -> longspec.data.encoding (longspec.model may import only none of the groups)",
+        "longspec.training.simtau -> longspec.evaluate (longspec.training may import only "
+        "['longspec.data', 'longspec.decode', 'longspec.measure', 'longspec.model'])",
+    ]
+
+
+def test_every_package_face_is_a_docstring_alone():
+    """`import longspec.training.preempt` (nodelaunch) must not load torch through a package face,
+    and each group's face names every file of the group."""
+    for group in LAYERS:
+        folder = ROOT / group.replace(".", "/")
+        tree = ast.parse((folder / "__init__.py").read_text(encoding="utf-8"))
+        doc = ast.get_docstring(tree)
+        assert doc and len(tree.body) == 1, f"{group}: its __init__.py is a docstring and nothing else"
+        missing = [p.name for p in sorted(folder.glob("*.py")) if p.name != "__init__.py" and p.name not in doc]
+        assert not missing, f"{group}'s docstring does not name {missing}"

@@ -1,1 +1,8 @@
-"""longspec.decode."""
+"""Speculative decoding with a GLIDE draft.
+
+    chain.py       greedy chain speculative decoding (GlideProposer) and plain greedy decoding
+    tree.py        token-tree speculative decoding (greedy and speculative sampling), plain sampling
+    tree_attn.py   tree attention masks; reference and hybrid prefix + tree attention
+
+Imports longspec.model only. (A docstring only: nothing loads through the package.)
+"""

@@ -1,1 +1,13 @@
-"""longspec.model."""
+"""The draft and the frozen target it rides on.
+
+    glide.py      the GLIDE draft block and the training model (draft + frozen target, both losses)
+    target.py     the frozen target: last-layer post-RoPE K/V, embeddings, RoPE, next_token_loss
+    families.py   target-family registry: embeddings, lm_head, K/V layer, rotary, draft layout
+    kernels.py    attention and linear cross-entropy behind one dispatch (fused on CUDA, reference
+                  elsewhere; `kernels: auto | fused | reference`)
+    zero.py       ZeRO-3 helpers: gathered parameters, bytes per rank, whole copies for decoding
+    weights.py    draft weights on disk: atomic save (.pth + .safetensors), safe load, key/shape checks
+
+Imports no other group of the trainer. (A docstring only: importing a module of this package
+loads nothing else through the package.)
+"""

@@ -55,7 +55,7 @@ def config_origin() -> Origin:
 class Preflight:
     target_config: Any
     tokenizer: Any
-    dataset: Any                  # prepare.PreparedDataset: the memory-mapped prepared cache
+    dataset: Any                  # data.cache.PreparedDataset: the memory-mapped prepared cache
     draft_state: Any | None       # state dict from draft_model_name_or_path, checked
     draft_sha256: str | None
 
@@ -93,13 +93,13 @@ def preflight(conf: dict[str, Any]) -> Preflight:
 def prepared_dataset(conf: dict[str, Any], train_file: Path, tokenizer):
     """The memory-mapped prepared cache of train_file; built here (one process per cache, under a
     lock; the others wait) when `longspec run`'s preflight has not built it already."""
-    from longspec import prepare
+    from longspec.data import cache
 
     try:
-        dataset, _, _ = prepare.ensure(train_file, conf["model_name_or_path"], conf["data"], tokenizer=tokenizer,
+        dataset, _, _ = cache.ensure(train_file, conf["model_name_or_path"], conf["data"], tokenizer=tokenizer,
                                        workers=1, progress=rank() == 0,
                                        label=f"[{conf['stage']}] prepare (rank {rank()})")
-    except prepare.CacheWriteError as e:
+    except cache.CacheWriteError as e:
         raise TrainError(str(e)) from None
     return dataset
 

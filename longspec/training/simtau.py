@@ -175,7 +175,7 @@ class SimTau:
         import torch
 
         from longspec.measure import prompts as P
-        from longspec.evaluate import EvalError, read_run
+        from longspec.measure.runread import EvalError, read_run
 
         got: list = [None]
         if self.rank == 0:                          # training_config.yaml and heldout.json are written

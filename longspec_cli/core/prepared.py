@@ -110,7 +110,7 @@ def check(folder: Path, fields: dict[str, Any], collator_version: int | None = N
     if man.get("key") != fields:
         raise CacheProblem("prepared with other options or another tokenizer")
     if collator_version is not None and man.get("collator_version") != collator_version:
-        raise CacheProblem("prepared by another version of the collators")
+        raise CacheProblem("stale: prepared by another version of the collators")
     _check_source(fields["source"], man.get("source") or {}, hash_source_up_to)
     for name, info in (man.get("files") or {}).items():
         p = folder / name

@@ -31,6 +31,11 @@ def trainer_available() -> bool:
     return importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
 
 
+def trainer_root() -> Path:
+    """The folder holding `longspec/`: the tree (or site-packages) this CLI runs from holds the trainer too."""
+    return Path(__file__).resolve().parents[2]
+
+
 def module_argv(module: str, *args: str) -> list[str]:
     """`python -m <module> <args>` with this interpreter."""
     return [sys.executable, "-m", module, *args]
@@ -43,7 +48,7 @@ def run_module(argv: list[str], *, show_progress: bool = False, timeout: float |
 
     module = _module(argv)
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])  # the tree this CLI runs from holds the trainer too
+    root = str(trainer_root())
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     tail: deque[str] = deque(maxlen=12)
     try:

@@ -146,8 +146,13 @@ def test_templates_ship_in_the_wheel(tmp_path):
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
                    check=True, capture_output=True)
-    out = subprocess.run(
-        [sys.executable, "-c", "from longspec_cli.core.presets import templates_dir; print(templates_dir())"],
-        env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}, cwd=tmp_path, capture_output=True, text=True, check=True,
-    )
-    assert out.stdout.strip().startswith(str(site))
+    for f in ("conf/config.yaml", "train.py", "training/__init__.py", "training/loop.py", "data/encoding.py"):
+        assert f"longspec/{f}" in names                       # the trainer's groups ship too
+    code = ("from longspec_cli.core import hydracompose, presets, trainerjson\n"
+            "print(presets.templates_dir()); print(hydracompose.trainer_conf_dir()); print(trainerjson.trainer_root())\n"
+            "from longspec_cli.core.prepared import collator_version; print(collator_version())")
+    out = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
+                         cwd=tmp_path, capture_output=True, text=True, check=True)
+    templates, conf, root, version = out.stdout.split()
+    assert templates.startswith(str(site)) and conf == str(site / "longspec" / "conf")
+    assert root == str(site) and version.isdigit()   # `python -m longspec...` runs from the install

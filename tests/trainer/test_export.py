@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from longspec.model.weights import load_draft_state, save_draft
-from longspec.evaluate import EvalError
+from longspec.measure.runread import EvalError
 from longspec.export import export_draft
 from longspec.model.glide import DraftConfig, GlideDraft
 from tests.trainer.conftest import ROPE_THETA, head_dim, make_tiny_target

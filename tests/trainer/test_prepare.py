@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from longspec.data import encoding, records
-from longspec import prepare
+from longspec.data import cache
 from longspec_cli.core import prepared as P
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,7 +54,7 @@ def test_prepared_cache_gives_the_in_memory_batches_resume_skips_included(stage,
     collator, seq = STAGES[stage]
     path = Path(tiny["data"][stage])
     mem = encoding.build_dataset(path, tok, collator, seq)
-    ds, man, built = prepare.ensure(path, str(tiny["target"]), opts(collator, seq), tokenizer=tok,
+    ds, man, built = cache.ensure(path, str(tiny["target"]), opts(collator, seq), tokenizer=tok,
                                     progress=False)
     assert built and len(ds) == len(mem) == man["records"]
     assert man["tokens"] == mem.num_tokens and man["trained_tokens"] == mem.num_label_tokens
@@ -64,15 +64,15 @@ def test_prepared_cache_gives_the_in_memory_batches_resume_skips_included(stage,
         for g, w in zip(got, want):
             for k in ("input_ids", "labels", "attention_mask"):
                 assert torch.equal(g[k], w[k]), (stage, k)
-    again, _, built = prepare.ensure(path, str(tiny["target"]), opts(collator, seq), tokenizer=tok)
+    again, _, built = cache.ensure(path, str(tiny["target"]), opts(collator, seq), tokenizer=tok)
     assert not built and again.folder == ds.folder                  # a restart does not re-tokenize
 
 
 def test_workers_give_the_same_cache_as_one_process(tiny, tok):
     path = Path(tiny["data"]["longcot"])
-    one = prepare.ensure(path, str(tiny["target"]), opts("long_cot", 128), tokenizer=tok, progress=False)[1]
+    one = cache.ensure(path, str(tiny["target"]), opts("long_cot", 128), tokenizer=tok, progress=False)[1]
     os.environ["LONGSPEC_CACHE_DIR"] += "-workers"
-    two = prepare.ensure(path, str(tiny["target"]), opts("long_cot", 128), workers=2, progress=False)[1]
+    two = cache.ensure(path, str(tiny["target"]), opts("long_cot", 128), workers=2, progress=False)[1]
     assert [one["files"][n]["sha256"] for n in sorted(one["files"])] == \
         [two["files"][n]["sha256"] for n in sorted(two["files"])]
 
@@ -82,7 +82,7 @@ def test_changed_source_and_damaged_cache_are_rebuilt_never_used(tiny, tok, tmp_
     src.write_text(Path(tiny["data"]["base"]).read_text().splitlines()[0] + "\n" +
                    Path(tiny["data"]["base"]).read_text().splitlines()[1] + "\n")
     o = opts("short_text", 96)
-    ds, man, built = prepare.ensure(src, str(tiny["target"]), o, tokenizer=tok, progress=False)
+    ds, man, built = cache.ensure(src, str(tiny["target"]), o, tokenizer=tok, progress=False)
     assert built and man["records"] == 2
     fields = P.key_fields(src, tiny["target"], o)
 
@@ -90,7 +90,7 @@ def test_changed_source_and_damaged_cache_are_rebuilt_never_used(tiny, tok, tmp_
         f.write(json.dumps({"text": "one more record for the stale check"}) + "\n")
     with pytest.raises(P.CacheProblem, match="stale"):
         P.check(ds.folder, fields, encoding.COLLATOR_VERSION)
-    ds, man, built = prepare.ensure(src, str(tiny["target"]), o, tokenizer=tok, progress=False)
+    ds, man, built = cache.ensure(src, str(tiny["target"]), o, tokenizer=tok, progress=False)
     assert built and man["records"] == 3
 
     tokens = ds.folder / f"{man['build']}.tokens.bin"                 # its bytes are truncated
@@ -98,7 +98,7 @@ def test_changed_source_and_damaged_cache_are_rebuilt_never_used(tiny, tok, tmp_
         f.truncate(tokens.stat().st_size - 2)
     with pytest.raises(P.CacheProblem, match="corrupt"):
         P.check(ds.folder, fields, encoding.COLLATOR_VERSION)
-    ds, man, built = prepare.ensure(src, str(tiny["target"]), o, tokenizer=tok, progress=False)
+    ds, man, built = cache.ensure(src, str(tiny["target"]), o, tokenizer=tok, progress=False)
     assert built and len(ds) == 3
 
     mask = ds.folder / f"{man['build']}.mask.bin"                     # same length, other bytes
@@ -107,16 +107,16 @@ def test_changed_source_and_damaged_cache_are_rebuilt_never_used(tiny, tok, tmp_
     mask.write_bytes(bytes(raw))
     with pytest.raises(P.CacheProblem, match="checksum"):
         P.check(ds.folder, fields, encoding.COLLATOR_VERSION)
-    assert prepare.ensure(src, str(tiny["target"]), o, tokenizer=tok, progress=False)[2]
+    assert cache.ensure(src, str(tiny["target"]), o, tokenizer=tok, progress=False)[2]
 
 
 def test_bad_record_names_file_and_line_in_error_and_skip_mode(tiny, tok, tmp_path):
     src = tmp_path / "bad.jsonl"
     src.write_text('{"text": "fine"}\n{"nope": 1}\n{"text": "also fine"}\n')
     with pytest.raises(encoding.DataError, match=r"bad\.jsonl:2: missing field 'text'"):
-        prepare.ensure(src, str(tiny["target"]), opts("short_text", 64), tokenizer=tok, progress=False)
+        cache.ensure(src, str(tiny["target"]), opts("short_text", 64), tokenizer=tok, progress=False)
     assert not list((tmp_path / "cache" / "prepared").glob("*/manifest.json"))
-    ds, man, _ = prepare.ensure(src, str(tiny["target"]), opts("short_text", 64, on_bad_record="skip"),
+    ds, man, _ = cache.ensure(src, str(tiny["target"]), opts("short_text", 64, on_bad_record="skip"),
                                 tokenizer=tok, progress=False)
     assert len(ds) == 2 and man["skipped"] == 1 and "bad.jsonl:2" in man["problems"][0]
 
@@ -143,8 +143,8 @@ def test_hub_layouts_give_the_jsonl_cache_and_every_shard_is_in_its_key(tiny, to
     for src, ref, (collator, seq) in ((tmp_path / "SlimPajama" / "data" / "train-*.parquet", plain, STAGES["base"]),
                                       (saved, tiny["data"]["long"], STAGES["long"]),
                                       (qwq, tiny["data"]["longcot"], STAGES["longcot"])):
-        want = prepare.ensure(ref, target, opts(collator, seq), tokenizer=tok, progress=False)[1]
-        ds, got, built = prepare.ensure(src, target, opts(collator, seq), tokenizer=tok, progress=False)
+        want = cache.ensure(ref, target, opts(collator, seq), tokenizer=tok, progress=False)[1]
+        ds, got, built = cache.ensure(src, target, opts(collator, seq), tokenizer=tok, progress=False)
         assert built and got["records"] == want["records"] and data_sha(got) == data_sha(want), src
         assert got["chat_check"] == want["chat_check"]
     assert [f["path"] for f in got["source"]["files"]] == [str(qwq)]
@@ -174,8 +174,8 @@ def test_bad_rows_of_a_table_are_named_by_file_and_row(tiny, tok, tmp_path):
             {"problem": "add 3 and 2 .", "qwq": "it is 5 ."}]
     path = write_parquet_shards(recs, tmp_path / "cot", shards=1)[0]
     with pytest.raises(encoding.DataError, match=rf"{path}:row 1: missing field 'qwq' \(collator long_cot\)"):
-        prepare.ensure(path.parent, str(tiny["target"]), opts("long_cot", 64), tokenizer=tok, progress=False)
-    ds, man, _ = prepare.ensure(path.parent, str(tiny["target"]), opts("long_cot", 64, on_bad_record="skip"),
+        cache.ensure(path.parent, str(tiny["target"]), opts("long_cot", 64), tokenizer=tok, progress=False)
+    ds, man, _ = cache.ensure(path.parent, str(tiny["target"]), opts("long_cot", 64, on_bad_record="skip"),
                                 tokenizer=tok, progress=False)
     assert len(ds) == 2 and man["skipped"] == 1 and man["problems"][0].startswith(f"{path}:row 1:")
     cut = tmp_path / "cut.parquet"
@@ -262,7 +262,7 @@ def test_a_full_disk_mid_build_leaves_no_cache_and_says_so(tiny, tok, tmp_path, 
     import errno
 
     src = big_jsonl(tmp_path / "d.jsonl", 1)
-    real = prepare._Writer._put
+    real = cache._Writer._put
     calls = {"n": 0}
 
     def put(self, kind, arr):                      # the disk fills up after a few records
@@ -271,10 +271,30 @@ def test_a_full_disk_mid_build_leaves_no_cache_and_says_so(tiny, tok, tmp_path, 
             raise OSError(errno.ENOSPC, "No space left on device")
         real(self, kind, arr)
 
-    monkeypatch.setattr(prepare._Writer, "_put", put)
-    with pytest.raises(prepare.CacheWriteError, match="No space left on device"):
-        prepare.ensure(src, str(tiny["target"]), opts("short_text", 256), tokenizer=tok, progress=False)
+    monkeypatch.setattr(cache._Writer, "_put", put)
+    with pytest.raises(cache.CacheWriteError, match="No space left on device"):
+        cache.ensure(src, str(tiny["target"]), opts("short_text", 256), tokenizer=tok, progress=False)
     folder = next((tmp_path / "cache" / "prepared").iterdir())
     assert list(folder.iterdir()) == []                # no manifest, no temp files
-    monkeypatch.setattr(prepare._Writer, "_put", real)
-    assert prepare.ensure(src, str(tiny["target"]), opts("short_text", 256), tokenizer=tok, progress=False)[2]
+    monkeypatch.setattr(cache._Writer, "_put", real)
+    assert cache.ensure(src, str(tiny["target"]), opts("short_text", 256), tokenizer=tok, progress=False)[2]
+
+
+def test_a_cache_from_an_older_collator_version_is_stale_and_rebuilt(tiny, tok):
+    """status reads the collator version from longspec.data.encoding's source, by module name (the
+    CLI never imports the trainer): when the module moves, the version must still be found, or an
+    older cache would pass as ready."""
+    from longspec_cli.core.atomic import atomic_write_json
+    from longspec_cli.core.prepared import collator_version, stage_prepared
+
+    assert collator_version() == encoding.COLLATOR_VERSION
+    path = Path(tiny["data"]["base"])
+    conf = {"train_file": str(path), "model_name_or_path": str(tiny["target"]), "data": opts("short_text", 96)}
+    ds, man, built = cache.ensure(path, str(tiny["target"]), opts("short_text", 96), tokenizer=tok, progress=False)
+    assert built and stage_prepared(conf, REPO).state == "ready"
+    atomic_write_json(ds.folder / "manifest.json", {**man, "collator_version": encoding.COLLATOR_VERSION - 1})
+    st = stage_prepared(conf, REPO)
+    assert (st.state, st.reason) == ("stale", "stale: prepared by another version of the collators")
+    again, man2, built = cache.ensure(path, str(tiny["target"]), opts("short_text", 96), tokenizer=tok, progress=False)
+    assert built and man2["collator_version"] == encoding.COLLATOR_VERSION
+    assert stage_prepared(conf, REPO).state == "ready"

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from longspec.show import first_records_check, show_records
+from longspec.data.preview import first_records_check, show_records
 from longspec.tiny import build_tiny
 
 

@@ -18,7 +18,7 @@ from longspec.data.encoding import build_dataset
 from longspec.tiny import (FAMILIES, TINY_VERSION, TinyBuildError, build_tiny, cache_dir,
                            tiny_target_info)
 from longspec.measure.prompts import record_prompts
-from longspec.show import inspect_record
+from longspec.data.preview import inspect_record
 from longspec.data.synthetic import pretrain_corpus, record_text
 
 ROOT = Path(__file__).resolve().parents[2]
