@@ -6,8 +6,8 @@ A PATH is a project folder (longspec.yaml + conf/), a longspec.yaml, a single st
 or upstream's), or a folder of stage YAMLs. Each check is a small function taking the composed
 config; none raises for bad input. Pure: no torch, deepspeed, transformers; Hydra composes (core.hydracompose).
 
-    checks_stage     one composed stage file: keys, types, paths, precision, ZeRO, batch, length
-    checks_project   the chain, lineage forks, the manifest's run folders, multi-node paths
+    checks/stage.py    one composed stage file: keys, types, paths, precision, ZeRO, batch, length
+    checks/project.py  the chain, lineage forks, the manifest's run folders, multi-node paths
     here             which files to check, the Report, fragments (a DeepSpeed file on its own)
 """
 
@@ -19,15 +19,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 from longspec_cli.core import schema as S
-from longspec_cli.core.checks_common import Context
-from longspec_cli.core.checks_project import WEIGHTS_NAMES  # noqa: F401 (re-exported)
-from longspec_cli.core.checks_project import (check_checkpoint_chain, check_upstream_lineage, manifest_checks,
+from longspec_cli.core.checks.common import Context
+from longspec_cli.core.checks.project import WEIGHTS_NAMES  # noqa: F401 (re-exported)
+from longspec_cli.core.checks.project import (check_checkpoint_chain, check_upstream_lineage, manifest_checks,
                                               manifest_problem, stage_in_project)
-from longspec_cli.core.checks_stage import DUPLICATES, LONG_CONTEXT, REQUIRED  # noqa: F401 (re-exported)
-from longspec_cli.core.checks_stage import (check_batch, check_duplicates, check_paths, check_precision,
+from longspec_cli.core.checks.stage import DUPLICATES, LONG_CONTEXT, REQUIRED  # noqa: F401 (re-exported)
+from longspec_cli.core.checks.stage import (check_batch, check_duplicates, check_paths, check_precision,
                                             check_required, check_seq_len, check_types, check_unknown_keys,
                                             check_zero, global_batch, zero_stage)
-from longspec_cli.core.checks_target import check_target_family
+from longspec_cli.core.checks.target import check_target_family
 from longspec_cli.core.composed import Composed
 from longspec_cli.core.hydracompose import compose_stage, stage_overrides
 from longspec_cli.core.problem import Problem

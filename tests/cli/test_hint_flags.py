@@ -34,7 +34,7 @@ MODULE_VERBS = {
     **{f"launch/{m}.py": ("run", "demo") for m in ("plan", "preflight", "execute", "gate")},
     "launch/": ("run",),
     "core/validate.py": ("validate",),
-    "core/checks_": ("validate", "run"),
+    "core/checks/": ("validate", "run"),
     "core/chain.py": ("next-stage",),  # run reaches only its project mode, whose hints name their verb
     "core/scaffold.py": ("init",),
 }

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from longspec_cli.core import schema as S
-from longspec_cli.core.checks_common import CHECKPOINT_RE, Context, abs_path, is_under, usable
+from longspec_cli.core.checks.common import CHECKPOINT_RE, Context, abs_path, is_under, usable
 from longspec_cli.core.composed import Composed
 from longspec_cli.core.placeholders import strip_comment
 from longspec_cli.core.problem import Problem

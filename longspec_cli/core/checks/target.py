@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 from longspec_cli.core import targets
-from longspec_cli.core.checks_common import CHECKPOINT_RE, Context, abs_path, usable
+from longspec_cli.core.checks.common import CHECKPOINT_RE, Context, abs_path, usable
 from longspec_cli.core.composed import Composed
 from longspec_cli.core.problem import Problem
 

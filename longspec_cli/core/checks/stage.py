@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from longspec_cli.core import schema as S
-from longspec_cli.core.checks_common import (CHECKPOINT_RE, Context, abs_path, fmt_value, is_under, usable,
+from longspec_cli.core.checks.common import (CHECKPOINT_RE, Context, abs_path, fmt_value, is_under, usable,
                                              where_origin, where_set)
 from longspec_cli.core.composed import Composed, Origin
 from longspec_cli.core.placeholders import has_placeholder
