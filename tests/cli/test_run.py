@@ -534,31 +534,3 @@ def test_a_crashing_stage_stops_all_with_the_log_tail(tmp_path):
     assert ["long", "start", "failed"] in summary and ["longcot", "start", "not"] in summary
 
 
-@pytest.mark.slow
-def test_two_nodes_on_loopback_finish_a_stage_together(tmp_path):
-    from longspec_cli.launch import plan
-    from longspec_cli.launch import slurm as S
-    from longspec_cli.core.manifest import load_manifest
-
-    proj = tiny_project(tmp_path)
-    spec = load_manifest(proj).stage("base")
-    conf, exp = plan.exp_location(spec)
-    trainer = A.trainer_args(conf, exp, spec.output_dir, ["max_steps=3", "save_steps=3", "global_batch_size=16"])
-    world, port = {"node0": [0], "node1": [0]}, A.free_port()
-    env = {**cpu_env(), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    spec.output_dir.mkdir(parents=True)
-    logs = [open(tmp_path / f"node{r}.log", "w") for r in (0, 1)]
-    nodes = [subprocess.Popen(S.node_launch_argv(world, r, "127.0.0.1", port, trainer), env=env, cwd=ROOT,
-                              stdout=logs[r], stderr=subprocess.STDOUT, start_new_session=True) for r in (0, 1)]
-    try:
-        codes = [n.wait(timeout=900) for n in nodes]
-    finally:
-        for n in nodes:
-            if n.poll() is None:
-                os.killpg(n.pid, signal.SIGKILL)
-    text = [(tmp_path / f"node{r}.log").read_text() for r in (0, 1)]
-    assert codes == [0, 0], text[0][-2000:] + text[1][-2000:]
-    assert "dist_world_size=2" in text[0] and "nnodes=2" in text[1] and "node_rank=1" in text[1]
-    complete = json.loads((spec.output_dir / "stage_complete.json").read_text())
-    assert complete["steps"] == 3
-    assert "2 rank(s)" in text[0]  # the trainer saw a world of two

@@ -711,6 +711,32 @@ for name, (copy, ref) in copies.items():
 ids = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
 # the copy's non-persistent buffers and attributes (rotary tables) too, which a state_dict leaves out
 record["greedy_same"] = greedy_batch(plain.target.model, ids, 8, cpu) == greedy_batch(copies["target"][0], ids, 8, cpu)
+# trained under ZeRO-3 (every parameter partitioned, lm_head included): the plain model's losses
+# and draft gradients
+from deepspeed.utils import safe_get_full_grad
+from longspec.training.positions import anchor_offset_position_ids
+g = torch.Generator().manual_seed(0)
+B, T = 2, 24
+tok = torch.randint(0, plain.target.lm_head.weight.shape[0], (B, T), generator=g)
+labels = tok.clone()
+labels[:, :3] = -100                                   # a masked prompt
+pos = anchor_offset_position_ids(T, B, anchors=4, max_offset=5000, generator=g)
+ref = plain(tok, labels, pos, 2)
+ref["loss"].backward()
+ref_grads = {n: p.grad for n, p in plain.draft.named_parameters() if p.requires_grad}
+cfg = {"train_micro_batch_size_per_gpu": B, "gradient_accumulation_steps": 1,
+       "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+       "zero_allow_untested_optimizer": True}
+engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.trainable_parameters(), lr=1e-3),
+                                  config=cfg)
+w = model.target.lm_head.weight
+record["lm_head_partitioned"] = hasattr(w, "ds_id") and w.numel() == 0
+res = engine(tok, labels, pos, 2)
+record["loss_diff"] = [abs(res[k].item() - ref[k].item()) for k in ("loss", "llm_loss")]
+engine.backward(res["loss"])
+record["grad_diff"] = max((safe_get_full_grad(p) - ref_grads[n]).abs().max().item()
+                          for n, p in model.draft.named_parameters() if p.requires_grad)
+engine.step()
 with open(f"{out}.{rank}.json", "w") as f:
     json.dump(record, f)
 torch.distributed.barrier()
@@ -723,7 +749,9 @@ def test_zero3_build_partitions_target_and_draft_on_each_rank_with_unchanged_val
     """Under ZeRO-3 build_glide partitions while it builds: each of 2 ranks holds half of the
     target's and the draft's parameter bytes, and gathered they equal a plain build (the target's
     weights loaded, the draft's seeded init applied); so do the whole copies the tau evaluation
-    runs on (longspec.model.zero.whole_copy), which decode the same greedy tokens."""
+    runs on (longspec.model.zero.whole_copy), which decode the same greedy tokens. Wrapped by
+    deepspeed.initialize (lm_head partitioned too), it gives the plain model's losses and draft
+    gradients."""
     script = tmp_path / "zero3_build.py"
     script.write_text(ZERO3_BUILD)
     out = tmp_path / "built"
@@ -741,6 +769,8 @@ def test_zero3_build_partitions_target_and_draft_on_each_rank_with_unchanged_val
         assert r["target_copy_differs"] == r["draft_copy_differs"] == [] and r["greedy_same"] is True
         assert r["target_copy_partitioned"] == r["draft_copy_partitioned"] == []
         assert r["draft_dtype"] == "torch.float32"
+        assert r["lm_head_partitioned"] is True                # else the checks below prove nothing
+        assert max(r["loss_diff"]) < 1e-5 and r["grad_diff"] < 1e-5, (r["loss_diff"], r["grad_diff"])
 
 
 @pytest.mark.slow

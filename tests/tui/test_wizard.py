@@ -174,10 +174,31 @@ def test_data_checks(tmp_path):
     assert not empty.ok and empty.severity == "warning"
 
 
-def test_first_records_of_a_big_json_list_read_little(tmp_path):
+def test_first_records_of_a_big_json_list_read_little(tmp_path, monkeypatch):
     big = tmp_path / "big.json"
-    big.write_text("[" + ",".join(json.dumps({"text": "x" * 100}) for _ in range(50_000)) + "]")
-    assert len(W.read_first_records(big, n=5)) == 5  # one megabyte read, not the whole file
+    big.write_text("[" + ",".join(json.dumps({"text": f"{i}" + "x" * 100}) for i in range(50_000)) + "]")
+    read: list[int] = []
+
+    class Spy:  # the file as opened, every read counted
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def read(self, n=-1):
+            data = self.f.read(n)
+            read.append(len(data))
+            return data
+
+    real_open = open
+    monkeypatch.setattr(W, "open", lambda *a, **k: Spy(real_open(*a, **k)), raising=False)
+    recs = W.read_first_records(big, n=5)
+    assert recs == [{"text": f"{i}" + "x" * 100} for i in range(5)]
+    assert 0 < sum(read) <= W.SAMPLE_BYTES < big.stat().st_size // 4   # one megabyte, not the 5 MB file
 
 
 def test_detect_family(tmp_path):
