@@ -39,14 +39,11 @@ out = Path(sys.argv[1])
 for i in range(3):
     torch.manual_seed(i)
     torch.save({"w": torch.randn(4, 4), "b": torch.randn(4)}, out / f"plain{i}.pth")
-try:
-    from types import SimpleNamespace
-    from longspec.model.glide import DraftConfig, GlideDraft
-    cfg = DraftConfig.from_target_config(SimpleNamespace(**json.loads(sys.argv[2])))
-    torch.manual_seed(0)
-    torch.save(GlideDraft(cfg).state_dict(), out / "glide.pth")
-except Exception as e:
-    print("no glide draft:", e, file=sys.stderr)
+from types import SimpleNamespace
+from longspec.model.glide import DraftConfig, GlideDraft
+cfg = DraftConfig.from_target_config(SimpleNamespace(**json.loads(sys.argv[2])))
+torch.manual_seed(0)
+torch.save(GlideDraft(cfg).state_dict(), out / "glide.pth")
 """
 
 

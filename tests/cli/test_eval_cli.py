@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from tests import needs
 from longspec_cli.app import app
 from longspec_cli.core.quality import (EvalFileError, eval_command, eval_is_current, gate_check, gate_stage,
                                       read_eval)
@@ -233,7 +234,7 @@ print(sha256_file(pth))
 def tiny_project(tmp_path_factory):
     """A tiny-preset project whose base and long stages are finished (random drafts), longcot pending."""
     if not HAS_TORCH:
-        pytest.skip("needs torch + transformers")
+        needs.unavailable("torch + transformers are not installed")
     root = tmp_path_factory.mktemp("tiny") / "proj"
     res = runner.invoke(app, ["init", str(root), "--preset", "tiny", "--no-input"])
     assert res.exit_code == 0, res.output

@@ -13,10 +13,8 @@ Real launches through `longspec run` (DeepSpeed's launcher, the trainer, the tin
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +25,7 @@ import pytest
 
 from longspec_cli.core import liveness, runfolder
 from longspec_cli.launch.execute import ops_build_dir
+from tests.needs import small_disk
 from tests.cli.test_run import LONGSPEC, ROOT, cli, cpu_env, flat, last_step, wait_for
 
 STEPS = ["max_steps=200", "save_steps=1000"]  # no periodic save: every checkpoint here is a stop's
@@ -131,22 +130,6 @@ def test_a_second_sigterm_exits_at_once_without_a_checkpoint(tmp_path):
     assert code == 130 and took < 5, (code, took, text[-2000:])
     assert "second stop signal" in text and "without saving" in text
     assert checkpoint_steps(out) == [] and not list(out.glob("checkpoint-*"))
-
-
-@contextlib.contextmanager
-def small_disk(folder: Path, size: str):
-    """`folder` as a tmpfs of `size` for the duration (root only; skipped with the reason otherwise)."""
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("needs root to mount a small tmpfs (mount -t tmpfs -o size=...)")
-    folder.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
-        yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
 
 
 def test_disk_preflight_warns_in_validate_refuses_run_and_shows_in_dry_run(tmp_path):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import needs
 from tests.cli.test_run import cli, cpu_env, finish, flat, scaffold
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -140,7 +141,7 @@ def test_a_lossy_stage_fails_even_a_100_percent_gate(finished):
 def test_a_non_current_eval_json_is_measured_again_by_the_real_evaluator(finished):
     """long's eval.json names another draft: `run --gate` runs longspec.evaluate on it, which
     refuses the stand-in weights; under --gate that stops the pipeline with its message."""
-    pytest.importorskip("torch")
+    needs.module("torch")
     proj, specs = finished
     write_eval(specs["long"], 2.4, baseline=("base", 2.5), sha="0" * 64)
     res = cli("run", str(proj), "--all", "--gate", "10", "--quiet", env=cpu_env(), timeout=600)

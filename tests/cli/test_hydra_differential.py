@@ -25,9 +25,9 @@ from typer.testing import CliRunner
 
 from longspec_cli.app import app
 from longspec_cli.core.validate import validate_paths
+from longspec.training import entry   # Hydra's main of the trainer (no torch at import)
 
 runner = CliRunner()
-entry = pytest.importorskip("longspec.training.entry")
 
 DS = """\
 train_micro_batch_size_per_gpu: ${per_gpu_train_batch_size}

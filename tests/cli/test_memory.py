@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from tests import needs
 from longspec_cli.launch import memory as M
 
 QWQ = M.ModelSize(hidden=5120, layers=64, heads=40, kv_heads=8, intermediate=27648, vocab=152064)
@@ -28,7 +29,7 @@ def tiny_qwen2_config(**kw) -> dict:
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_target_params_match_transformers(tmp_path, tie):
-    transformers = pytest.importorskip("transformers")
+    transformers = needs.module("transformers")
     cfg = tiny_qwen2_config(tie_word_embeddings=tie)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**cfg))
@@ -37,7 +38,7 @@ def test_target_params_match_transformers(tmp_path, tie):
 
 
 def test_llama_target_has_no_qkv_bias():
-    transformers = pytest.importorskip("transformers")
+    transformers = needs.module("transformers")
     cfg = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                intermediate_size=128, vocab_size=512, model_type="llama")
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
@@ -45,8 +46,8 @@ def test_llama_target_has_no_qkv_bias():
 
 
 def test_draft_params_match_the_glide_block():
-    pytest.importorskip("torch")
-    model = pytest.importorskip("longspec.model.glide")
+    needs.module("torch")
+    from longspec.model import glide as model
     size = M.ModelSize(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=512)
     draft = model.GlideDraft(model.DraftConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
                                                num_key_value_heads=2, head_dim=16))

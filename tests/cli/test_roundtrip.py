@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from tests import needs
 from longspec_cli.app import app
 from longspec_cli.core.yamledit import render_scalar, set_root_scalar
 from longspec_cli.core.yamlio import parse, to_plain
@@ -195,7 +196,8 @@ def test_rendered_scalars_read_back_as_the_same_string(value):
 # ----------------------------------------------------------------------------- upstream files
 
 UPSTREAM_FILES = sorted(UPSTREAM.glob("*.yaml")) if UPSTREAM.is_dir() else []
-needs_upstream = pytest.mark.skipif(not UPSTREAM_FILES, reason="../shared/upstream-longspec not present")
+needs_upstream = pytest.mark.skipif(not UPSTREAM_FILES and not needs.REQUIRE,  # CI has shared/: a failure there
+                                    reason="../shared/upstream-longspec not present")
 
 
 @needs_upstream

@@ -608,8 +608,6 @@ def test_schema_knows_every_trainer_key_and_its_default_fits():
     from longspec_cli.core.yamlio import load_mapping, to_plain
 
     cfg = ROOT / "longspec" / "conf" / "config.yaml"
-    if not cfg.is_file():
-        pytest.skip("the trainer's config.yaml is not in this checkout")
     defaults = to_plain(load_mapping(cfg).data)
 
     def walk(node: dict, specs: dict, prefix: str) -> None:

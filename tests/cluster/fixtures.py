@@ -13,17 +13,15 @@ import shutil
 
 import pytest
 
+from tests import needs
 from tests.cluster import slurm, ssh
 
-REQUIRE = os.environ.get("LONGSPEC_REQUIRE_CLUSTER", "") not in ("", "0")
+REQUIRE = needs.REQUIRE
 KEEP = os.environ.get("LONGSPEC_KEEP_CLUSTER", "") not in ("", "0")  # leave the folders for a post-mortem
 
 
 def unavailable(why: str) -> None:
-    why += " (tests/cluster/install.sh installs them as root)"
-    if REQUIRE:
-        pytest.fail(f"LONGSPEC_REQUIRE_CLUSTER=1 but {why}", pytrace=False)
-    pytest.skip(why)
+    needs.unavailable(why + " (tests/cluster/install.sh installs them as root)")
 
 
 def _needs(missing: list[str]) -> None:

@@ -2,29 +2,19 @@
 own ways; each is recognised as a failed write and worded with the path and the free space."""
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 
 import pytest
 import torch
 
 from longspec.model.weights import save_draft
 from longspec_cli.core import diskspace
+from tests.needs import small_disk
 
 
 @pytest.fixture
 def full_disk(tmp_path):
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("needs root to mount a small tmpfs (mount -t tmpfs -o size=...)")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+    with small_disk(tmp_path / "disk", "64k") as disk:
+        yield disk
 
 
 def _write_plain(path):
