@@ -800,3 +800,13 @@ def test_importing_the_trainer_loads_no_torch_before_the_stop_signal_watcher():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("module", ["longspec.nodelaunch", "longspec.nodectl"])
+def test_the_node_tools_load_no_torch_through_a_package_face(module):
+    """nodelaunch and nodectl run on every node of a multi-node run (over ssh, under sbatch) and must
+    start at once: longspec.training.preempt reaches them through longspec/training/__init__.py."""
+    code = f"import sys, {module}; print(sorted(m for m in ('torch', 'deepspeed', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
