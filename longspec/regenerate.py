@@ -149,8 +149,8 @@ def _embedded(engine, prompter, rows, progress):
                 break
             for (r, q), a in zip(asks, engine.answer([q for _, q in asks])):
                 prompter.take(r, q, a)
-        if STOP:
-            return                                     # a half-made batch is made again by a rerun
+        if any(r.status == "pending" for r in chunk):
+            return                                     # stopped halfway through: a rerun makes this batch
         yield from chunk
 
 
