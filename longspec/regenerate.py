@@ -76,6 +76,7 @@ def run(cfg) -> dict:
     settings = {"max_seq_length": max_seq, "prefix_tokens": FLAGS["prefix-tokens"],
                 "max_new_tokens": FLAGS["max-new-tokens"], "temperature": 0,
                 "chat_template_kwargs": R.CHAT_TEMPLATE_KWARGS, "keep_truncated": FLAGS["keep-truncated"]}
+    S.refuse_own_output(train_file, out)
     expect = S.expectations(train_file, target, collator, settings, R.PROMPT_RULE)
     start, totals = S.open_folder(out, expect, FLAGS["force"])
     out.mkdir(parents=True, exist_ok=True)

@@ -125,6 +125,15 @@ def shard_counts(path: Path) -> dict:
     return json.loads(meta.get(COUNTS_KEY, b"{}"))
 
 
+def refuse_own_output(train_file, out: Path) -> None:
+    """A train_file inside the folder being written (after `regenerate --use`) is refused."""
+    src = Path(train_file).absolute()
+    if src == out or out in src.parents:
+        old = (read_manifest(out) or {}).get("source", {}).get("train_file")
+        raise RegenRefused(f"train_file {train_file} is the regeneration folder itself"
+                           + (f"; its rows were made from {old}: give that as train_file=..." if old else ""))
+
+
 def open_folder(out: Path, expect: dict, force: bool) -> tuple[int, dict]:
     """(the record index a run starts at, the counts of the rows already written); refuses a folder
     made otherwise unless force (which removes its shards)."""
