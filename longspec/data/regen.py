@@ -37,7 +37,8 @@ DOCUMENT_SOURCES = ("code", "book")         # long_data's document kinds kept in
 
 @dataclass
 class Request:
-    """One generation: the prompt as token ids (the embedded engine) and as text (a server)."""
+    """One generation: the prompt as token ids (the embedded engine) and as text (a server, which
+    tokenizes it with the tokenizer's own special tokens: the same ids)."""
     ids: list[int]
     text: str
     max_new: int
@@ -121,6 +122,10 @@ class Prompter:
         self.turn_stop_ids = end_of_turn_ids(tokenizer)
         self.eos_ids = () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
         self._turn_text: str | None = None
+        # What the tokenizer adds to a text by itself (Llama 3: its BOS). A server tokenizes the
+        # prompt text with it; the rendered chat already holds it, so it is left out of that text.
+        added = tokenizer("", add_special_tokens=True)["input_ids"]
+        self.added_text = tokenizer.decode(added) if added else ""
 
     def turn_stop_text(self) -> str:
         """The end-of-turn text a server is told to stop at (`<|im_end|>`), without its newline."""
@@ -154,6 +159,8 @@ class Prompter:
             row.status, row.reason = "failed", str(e)
             return None
         ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        if self.added_text and text.startswith(self.added_text):
+            text = text[len(self.added_text):]
         return self._capped(row, ids, text, self.turn_stop_ids, (self.turn_stop_text(),))
 
     def _document(self, row: Row) -> Request | None:

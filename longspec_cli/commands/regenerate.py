@@ -14,7 +14,7 @@ from typing import List, Optional
 import typer
 
 from longspec_cli.boundary import run_cli
-from longspec_cli.errors import INTERRUPTED, PREEMPTED, RefusedError
+from longspec_cli.errors import INTERRUPTED, PREEMPTED, RefusedError, UsageError
 
 EPILOG = """Examples:
 
@@ -37,6 +37,8 @@ limit (max_seq_length minus the prompt) are dropped unless --keep-truncated; all
 
 --server: OpenAI-compatible servers (`vllm serve TARGET` per node, or `transformers serve`),
 --concurrency requests at a time on each; timeouts, 408, 429 and 5xx are retried with backoff.
+--api completions (default) sends the prompt as rendered here, less the BOS the server's tokenizer
+adds back (the trainer's tokens); --api chat sends the turns with chat_template_kwargs.
 
 Exit codes: 0 ok, 1 refused (a folder made otherwise, a server that does not answer, config
 errors), 2 usage, 3 unreadable input, 5 stopped by SIGTERM, 130 Ctrl-C (both keep the rows done;
@@ -48,6 +50,8 @@ def regenerate_cmd(
     stages: Optional[List[str]] = typer.Argument(None, help="Stages to regenerate (default: all).", show_default=False),
     server: Optional[List[str]] = typer.Option(None, "--server", help="An OpenAI-compatible server's URL (repeat for several)."),
     concurrency: int = typer.Option(4, "--concurrency", min=1, help="Requests at a time per server."),
+    api: str = typer.Option("completions", "--api",
+                            help="completions (the prompt as rendered here) or chat (the turns; the server renders)."),
     batch: int = typer.Option(8, "--batch", min=1, help="Prompts per batch on the local target."),
     prefix_tokens: int = typer.Option(128, "--prefix-tokens", min=1, help="A document's tokens kept as context."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", min=1,
@@ -63,9 +67,11 @@ def regenerate_cmd(
     def body() -> None:
         from longspec_cli.core.manifest import load_manifest
 
+        if api not in ("completions", "chat"):
+            raise UsageError(f"--api {api!r}: choose completions or chat")
         manifest = load_manifest(project_dir)
         chosen = [manifest.stage(s) for s in stages] if stages else list(manifest.stages)
-        flags = [*(a for u in server or () for a in ("--server", u)), "--concurrency", str(concurrency),
+        flags = [*(a for u in server or () for a in ("--server", u)), "--concurrency", str(concurrency), "--api", api,
                  "--batch", str(batch), "--prefix-tokens", str(prefix_tokens)]
         flags += ["--max-new-tokens", str(max_new_tokens)] if max_new_tokens else []
         flags += ["--limit", str(limit)] if limit else []

@@ -251,3 +251,21 @@ def test_server_engine_gives_the_embedded_rows(server, embedded, work):
 def test_a_server_that_does_not_answer_is_refused(work):
     r = regenerate(work, "cot", work / "out-nosrv", "--server", f"http://127.0.0.1:{_free_port()}", code=1)
     assert "does not answer /v1/models" in r["stderr"] and "Traceback" not in r["stderr"]
+
+
+def test_a_server_reads_the_prompt_ids_the_trainer_reads_when_the_tokenizer_adds_a_bos(tiny):
+    """A server tokenizes the prompt text with the tokenizer's own special tokens (Llama 3: a BOS);
+    the rendered chat holds the BOS already, so the text sent leaves it out: the same ids."""
+    from tokenizers import processors
+
+    tok = encoding.load_tokenizer(str(tiny["target"]))
+    tok.add_special_tokens({"bos_token": "<|bos|>"})
+    bos = tok.convert_tokens_to_ids("<|bos|>")
+    tok._tokenizer.post_processor = processors.TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", bos)])
+    tok.chat_template = "{{ bos_token }}" + tok.chat_template
+    p = R.Prompter(tok, 512, 16, None)
+    row = R.Row(0, "x#0", "chat", {}, messages=[{"role": "user", "content": "add 1 and 2 ."},
+                                               {"role": "assistant", "content": "3 ."}], todo=[1])
+    q = p.next_request(row)
+    assert q.ids[0] == bos and q.ids.count(bos) == 1 and not q.text.startswith("<|bos|>")
+    assert tok(q.text)["input_ids"] == q.ids
