@@ -17,7 +17,9 @@ the summary as one JSON line on stdout.
 """
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import signal
 import sys
 import time
@@ -88,7 +90,7 @@ def run(cfg) -> dict:
     S.write_manifest(out, expect, engine.describe(), totals, total, start, start >= total)
     writer = S.OrderedWriter(out, collator, start, FLAGS["shard-rows"], FLAGS["keep-truncated"], totals)
     prompter = R.Prompter(tok, max_seq, FLAGS["prefix-tokens"], FLAGS["max-new-tokens"])
-    rows = (r for r in R.source_rows(train_file, collator, start) if r.index < total)
+    rows = itertools.takewhile(lambda r: r.index < total, R.source_rows(train_file, collator, start))
     progress = Progress(conf["stage"], start, total, writer)
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     t0 = time.monotonic()
@@ -100,8 +102,6 @@ def run(cfg) -> dict:
         for row in done:
             writer.put(row)
             progress.tick()
-    except R.DataError:
-        raise
     except OSError as e:
         raise TrainError(f"{out}: cannot write ({e.strerror or e})") from None
     finally:
@@ -215,7 +215,12 @@ def guarded(cfg) -> int:
         if FLAGS["json"]:
             print(json.dumps(r), flush=True)
         print(summary_text(r), file=sys.stderr, flush=True)
-    return STOP[0] if STOP else code
+    if STOP:
+        # A server's requests still in flight are abandoned: their threads are not waited for.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(STOP[0])
+    return code
 
 
 def summary_text(r: dict) -> str:
