@@ -137,12 +137,10 @@ class Prompter:
                 self._turn_text = ""
         return self._turn_text
 
-    def limit(self, prompt_len: int) -> tuple[int, bool]:
-        """(new-token limit, whether max_seq_length is what limits it)."""
+    def limit(self, prompt_len: int) -> int:
+        """The new-token limit: max_seq_length minus the prompt, or --max-new-tokens when lower."""
         room = self.max_seq_length - prompt_len
-        if self.max_new_tokens is None or self.max_new_tokens >= room:
-            return room, True
-        return self.max_new_tokens, False
+        return room if self.max_new_tokens is None else min(room, self.max_new_tokens)
 
     def next_request(self, row: Row) -> Request | None:
         """The row's next generation; None when the row is done (its status then set)."""
@@ -173,7 +171,7 @@ class Prompter:
         return self._capped(row, full, row.context, self.eos_ids, ())
 
     def _capped(self, row: Row, ids: list[int], text: str, stop_ids, stop_texts) -> Request | None:
-        room, _ = self.limit(len(ids))
+        room = self.limit(len(ids))
         if room < 1:
             row.status = "skipped"
             row.reason = f"prompt of {len(ids)} tokens leaves no room within max_seq_length={self.max_seq_length}"
@@ -182,15 +180,14 @@ class Prompter:
         return Request(ids, text, room, tuple(stop_ids), tuple(s for s in stop_texts if s))
 
     def take(self, row: Row, req: Request, ans) -> None:
-        """Record an answer; a cut answer ends the row as truncated (a document filling the
-        window is kept: the trainer cuts every document at max_seq_length)."""
+        """Record an answer; a chat answer cut at the limit ends the row as truncated. A document's
+        continuation is kept however it ends (its finish reason says which): a document has no
+        end to reach, and the trainer cuts every document at max_seq_length too."""
         row.answers.append(ans)
         if row.kind == "chat":
             row.messages[row.todo.pop(0)]["content"] = ans.text
-        if ans.finish == "length":
-            by_window = self.limit(len(req.ids))[1]
-            if row.kind == "chat" or not by_window:
-                row.status, row.reason = "truncated", f"cut at {req.max_new} new tokens"
+            if ans.finish == "length":
+                row.status, row.reason = "truncated", f"answer cut at {req.max_new} new tokens"
                 return
         if row.kind == "document" or not row.todo:
             row.status = "kept"

@@ -27,13 +27,13 @@ EPILOG = """Examples:
 Chat and chain-of-thought records keep their system and user turns; the target answers each
 assistant turn on its own regenerated history, rendered by its chat template as the stage's
 collator renders it. Documents keep their first --prefix-tokens tokens as untrained context and
-train on the target's continuation. Greedy (temperature 0).
+train on the target's continuation (kept however it ends). Greedy (temperature 0).
 
 Writes DIR/data/regen/STAGE/: parquet shards in source order (each row: id, the trained fields,
 finish_reason, token counts) and manifest.json (target and tokenizer digests, the source's
 fingerprint, prompt rule, settings, engine, counts). A rerun resumes after the last complete
-shard; a changed source, target or setting is refused unless --force. Answers cut at the token
-limit (max_seq_length minus the prompt) are dropped unless --keep-truncated; all are counted.
+shard; a changed source, target or setting is refused unless --force. Chat answers cut at the
+token limit (max_seq_length minus the prompt) are dropped unless --keep-truncated; all are counted.
 
 --server: OpenAI-compatible servers (`vllm serve TARGET` per node, or `transformers serve`),
 --concurrency requests at a time on each; timeouts, 408, 429 and 5xx are retried with backoff.

@@ -269,3 +269,54 @@ def test_a_server_reads_the_prompt_ids_the_trainer_reads_when_the_tokenizer_adds
     q = p.next_request(row)
     assert q.ids[0] == bos and q.ids.count(bos) == 1 and not q.text.startswith("<|bos|>")
     assert tok(q.text)["input_ids"] == q.ids
+
+
+def test_server_engine_retries_timeouts_429_and_5xx_and_fails_a_400(tok, work):
+    """A stand-in OpenAI server (stdlib, 127.0.0.1) answers 503, then 429, then 200: one answer
+    after backoff; a 400 fails the request at once with the server's words."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from longspec.decode.engines import EngineError, ServerEngine
+
+    replies = [(503, b"Internal Server Error"), (429, b'{"detail": "slow down"}')]
+    bodies: list[dict] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def _send(self, code: int, body: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            self._send(200, json.dumps({"data": [{"id": "tiny"}]}).encode())
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            bodies.append(body)
+            if body["prompt"] == "bad":
+                return self._send(400, b'{"detail": "prompt too long"}')
+            if replies:
+                return self._send(*replies.pop(0))
+            self._send(200, json.dumps({"choices": [{"text": "3 .", "finish_reason": "stop"}],
+                                        "usage": {"completion_tokens": 3}}).encode())
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        eng = ServerEngine([f"http://127.0.0.1:{httpd.server_address[1]}/v1"], concurrency=1, backoff=0.01)
+        q = R.Request([1, 2], "add 1 and 2 .", 7, (2,), ("<|im_end|>",))
+        a = eng.ask(q)
+        assert (a.text, a.tokens, a.finish) == ("3 .", 3, "stop") and len(bodies) == 3
+        assert bodies[-1] == {"model": "tiny", "prompt": "add 1 and 2 .", "max_tokens": 7, "temperature": 0,
+                              "stop": ["<|im_end|>"]}
+        with pytest.raises(EngineError, match="HTTP 400.*prompt too long"):
+            eng.ask(R.Request([1], "bad", 7, (2,), ()))
+        assert len(bodies) == 4                                          # not retried
+        eng.close()
+    finally:
+        httpd.shutdown()
