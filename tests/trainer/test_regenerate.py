@@ -246,6 +246,11 @@ def test_server_engine_gives_the_embedded_rows(server, embedded, work):
     assert r["engine"]["kind"] == "server" and r["complete"]
     assert rows_of(out) == embedded["rows"]
     assert {k: r[k] for k in S.COUNTS} == {k: embedded["result"][k] for k in S.COUNTS}
+    # --api chat: the server renders the turns itself (chat_template_kwargs sent): the same rows
+    out = work / "out-server-chat"
+    r = regenerate(work, "cot", out, "--limit", "4", "--server", server, "--api", "chat")
+    assert r["engine"]["api"] == "chat" and r["complete"]
+    assert rows_of(out) == [x for x in embedded["rows"] if int(x["id"].split("#")[1]) < 4]
 
 
 def test_a_server_that_does_not_answer_is_refused(work):
