@@ -189,13 +189,18 @@ class Progress:
         c, done = self.writer.pending(), self.writer.next
         dt = max(now - self.t0, 1e-9)
         rate, toks = (done - self.start) / dt, (c["completion_tokens"] - self.tokens0) / dt
-        eta = f"{(self.total - done) / rate:.0f}s" if rate > 0 else "?"
+        eta = _clock((self.total - done) / rate) if rate > 0 else "?"
         print(f"[{self.stage}] regenerate {done}/{self.total} rows  {rate:.2f} rows/s  {toks:.0f} tokens/s  "
               f"ETA {eta}  (kept {c['kept']}, truncated {c['truncated']}, failed {c['failed']}, "
               f"skipped {c['skipped']})", file=sys.stderr, flush=True)
 
     def end(self) -> None:
         self.tick(force=True)
+
+
+def _clock(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
 # ----------------------------------------------------------------------------- entry point

@@ -161,9 +161,12 @@ def open_folder(out: Path, expect: dict, force: bool) -> tuple[int, dict]:
 
 def write_manifest(out: Path, expect: dict, engine: dict, totals: dict, records: int | None,
                    done: int, complete: bool) -> None:
-    atomic_write_json(out / MANIFEST, {**expect, "engine": engine, "counts": totals, "records": records,
-                                       "done": done, "complete": complete,
-                                       "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    """The manifest; `engines` lists every engine that wrote rows here (a resume may use another)."""
+    old = read_manifest(out) or {}
+    engines = [e for e in old.get("engines", []) if e != engine] if done else []
+    atomic_write_json(out / MANIFEST, {**expect, "engine": engine, "engines": engines + [engine],
+                                       "counts": totals, "records": records, "done": done,
+                                       "complete": complete, "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
 
 
 def _arrow_type(pa, column: str):
