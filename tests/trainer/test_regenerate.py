@@ -325,3 +325,39 @@ def test_server_engine_retries_timeouts_429_and_5xx_and_fails_a_400(tok, work):
         eng.close()
     finally:
         httpd.shutdown()
+
+
+def test_rows_finishing_out_of_order_come_out_in_source_order_within_the_window():
+    """The server path's reorder buffer: rows finish in any order, are yielded in source order, and
+    no more than `window` are in flight; after stop(), only rows already finished in order come out."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from longspec.decode.engines import ordered
+
+    eng = SimpleNamespace(pool=ThreadPoolExecutor(4))
+    busy, peak, lock = [0], [0], threading.Lock()
+    rng = random.Random(3)
+    delays = [rng.uniform(0, 0.03) for _ in range(40)]
+
+    def step(row):
+        with lock:
+            busy[0] += 1
+            peak[0] = max(peak[0], busy[0])
+        time.sleep(delays[row.index])
+        with lock:
+            busy[0] -= 1
+
+    def rows(n):
+        return (R.Row(i, f"f#{i}", "chat", {}) for i in range(n))
+
+    got = [r.index for r in ordered(eng, rows(40), step, window=6, stop=lambda: False)]
+    assert got == list(range(40)) and peak[0] <= 4
+    stop = [False]
+    out = []
+    for r in ordered(eng, rows(40), step, window=6, stop=lambda: stop[0]):
+        out.append(r.index)
+        stop[0] = stop[0] or len(out) >= 5
+    assert out == list(range(len(out))) and 5 <= len(out) <= 5 + 6          # the window at most
+    eng.pool.shutdown()
