@@ -61,15 +61,19 @@ class EmbeddedEngine:
         return {"kind": self.kind, "device": self.device, "batch": self.batch}
 
     def answer(self, requests: list) -> list:
-        out = []
-        order = sorted(range(len(requests)), key=lambda i: -len(requests[i].ids))  # alike lengths together
+        """Answers in the requests' order. A batch holds requests with the same stop tokens only
+        (`generate` stops a row at any of its eos ids: a document must not stop at an end of turn)."""
+        groups: dict[tuple, list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault(tuple(r.stop_ids), []).append(i)
         got: dict[int, Any] = {}
-        for s in range(0, len(order), self.batch):
-            chunk = order[s:s + self.batch]
-            for i, a in zip(chunk, self._batch([requests[i] for i in chunk])):
-                got[i] = a
-        out = [got[i] for i in range(len(requests))]
-        return out
+        for idx in groups.values():
+            idx.sort(key=lambda i: -len(requests[i].ids))                  # alike lengths together
+            for s in range(0, len(idx), self.batch):
+                chunk = idx[s:s + self.batch]
+                for i, a in zip(chunk, self._batch([requests[i] for i in chunk])):
+                    got[i] = a
+        return [got[i] for i in range(len(requests))]
 
     def _batch(self, reqs: list) -> list:
         import torch
@@ -80,7 +84,7 @@ class EmbeddedEngine:
         for b, r in enumerate(reqs):
             ids[b, T - len(r.ids):] = torch.tensor(r.ids)
             mask[b, T - len(r.ids):] = 1
-        stops = sorted({s for r in reqs for s in r.stop_ids})
+        stops = list(reqs[0].stop_ids)
         with torch.no_grad():
             gen = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                       do_sample=False, max_new_tokens=max(r.max_new for r in reqs),
