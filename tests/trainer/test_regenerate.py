@@ -88,13 +88,16 @@ def embedded(work) -> dict:
 
 
 def _requests(tok, work: Path, limit: int = 4) -> list:
-    p = R.Prompter(tok, 512, 16, None)
+    """Chat turns and document prefixes together (their stop tokens differ: a batch must not mix them)."""
+    p = R.Prompter(tok, 512, 16, 64)
     rows = list(R.source_rows(work / "cot.jsonl", "long_cot"))[:limit]
-    return [p.next_request(r) for r in rows]
+    docs = list(R.source_rows(work / "doc.jsonl", "short_text"))[:2]
+    return [p.next_request(r) for r in rows[:2] + docs + rows[2:]]
 
 
 def test_embedded_engine_is_greedy_generate(tiny, tok, work):
-    """Left-padded batches give each prompt's own greedy `generate` text, stop and token count."""
+    """Left-padded batches give each prompt's own greedy `generate` text, stop and token count,
+    documents (stop: EOS) and chat turns (stop: end of turn too) asked together."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -102,6 +105,7 @@ def test_embedded_engine_is_greedy_generate(tiny, tok, work):
 
     reqs = _requests(tok, work)
     eng = EmbeddedEngine(tiny["target"], tok, batch=4, device="cpu")
+    assert {q.stop_ids for q in reqs} == {(0,), (0, 2)}
     got = eng.answer(reqs)
     model = AutoModelForCausalLM.from_pretrained(str(tiny["target"])).eval()
     for q, a in zip(reqs, got):
