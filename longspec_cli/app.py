@@ -27,6 +27,7 @@ VERBS = {
     "status": "status",
     "next-stage": "next_stage",
     "prepare": "prepare",
+    "regenerate": "regenerate",
     "run": "run",
     "stop": "stop",
     "demo": "demo",

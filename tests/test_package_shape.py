@@ -167,7 +167,7 @@ LAYERS = {
     "longspec.measure": {"longspec.model", "longspec.data", "longspec.decode"},
     "longspec.training": {"longspec.model", "longspec.data", "longspec.decode", "longspec.measure"},
 }
-RUNNABLE = {"train", "prepare", "show", "evaluate", "export", "draftcheck", "tiny", "nodelaunch", "nodectl"}
+RUNNABLE = {"train", "prepare", "show", "evaluate", "export", "draftcheck", "tiny", "nodelaunch", "nodectl", "regenerate"}
 
 
 def _group(mod: str) -> str | None:

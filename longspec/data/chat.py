@@ -150,3 +150,20 @@ def _history(tokenizer, messages, earlier: list[int], head: str, out: ChatSplit,
 def _as_context(head: str, earlier: list[int], out: ChatSplit) -> list[tuple[str, str]]:
     out.untrained_answers += len(earlier)
     return [(head, "prompt")]
+
+
+def end_of_turn_ids(tokenizer) -> tuple[int, ...]:
+    """The EOS and the special token the chat template closes an assistant turn with (a server's
+    stop tokens); the EOS alone for a tokenizer without a template."""
+    stops = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            after = end_of_turn(tokenizer, [{"role": "user", "content": "hi"}])
+        except ChatError:
+            return tuple(stops)
+        ids = tokenizer(after, add_special_tokens=False)["input_ids"]
+        special = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
+        first = next((i for i in ids if i in special), None)
+        if first is not None and first not in stops:
+            stops.append(int(first))
+    return tuple(stops)

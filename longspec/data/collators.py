@@ -12,6 +12,10 @@ the tokenizer's own special tokens (a BOS for Llama) and, where add_eos, its EOS
               tulu-v2 `conversation` and plain `messages` chats.
   long_cot    stage 3: `problem` + `qwq` (QwQ-LongCoT) or `prompt` + `response`: one user turn,
               one answer.
+
+A document (short_text, long_data's `text`) may carry a `context` string: read before `text` as
+an untrained "prompt" piece (the document's prefix a regenerated continuation follows,
+longspec.data.regen); the BOS, when the tokenizer adds one, goes before the context.
 """
 
 from __future__ import annotations
@@ -60,9 +64,15 @@ def chat_pieces(tokenizer, messages: list[dict]) -> list[tuple[str, str]]:
         raise RecordError(str(e)) from None
 
 
+def document_pieces(rec: dict, name: str) -> list[tuple[str, str]]:
+    """A document's pieces: its optional untrained `context`, then the trained `name` field."""
+    text = [(_field(rec, name), "text")]
+    return ([(_field(rec, "context"), "prompt")] + text) if "context" in rec else text
+
+
 def _short_text(rec: dict, tokenizer):
     name = "text" if "text" in rec or "target" not in rec else "target"
-    return [(_field(rec, name), "text")], True, True
+    return document_pieces(rec, name), True, True
 
 
 def long_data_messages(rec: dict) -> list[dict] | None:
@@ -99,7 +109,7 @@ def long_data_messages(rec: dict) -> list[dict] | None:
 def _long_data(rec: dict, tokenizer):
     msgs = long_data_messages(rec)
     if msgs is None:
-        return [(_field(rec, "text"), "text")], True, False
+        return document_pieces(rec, "text"), True, False
     return chat_pieces(tokenizer, msgs), False, False
 
 

@@ -30,7 +30,7 @@ from longspec.data.records import BAD_RECORD_MODES, DataError, read_records, whe
 IGNORE = -100
 # Bump whenever the tokens or labels a collator produces change: prepared caches made by an
 # older rule are then rebuilt (it is part of their key).
-COLLATOR_VERSION = 3
+COLLATOR_VERSION = 4  # 4: a document's optional untrained `context` (longspec.data.collators)
 COLLATORS = ("short_text", "long_data", "long_cot")
 _KEEP_PROBLEMS = 20  # skipped-record messages kept for the log
 

@@ -3,6 +3,7 @@
     chain.py       greedy chain speculative decoding (GlideProposer) and plain greedy decoding
     tree.py        token-tree speculative decoding (greedy and speculative sampling), plain sampling
     tree_attn.py   tree attention masks; reference and hybrid prefix + tree attention
+    engines.py     regeneration's answers: greedy `generate` on the target, or OpenAI-compatible servers
 
 Imports longspec.model only. (A docstring only: nothing loads through the package.)
 """

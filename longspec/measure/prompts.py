@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from longspec.data.chat import end_of_turn_ids  # noqa: F401  (moved to data/chat.py; used here and re-exported)
+
 # New tokens per prompt kind when --max-new-tokens is not given: upstream measures LongBench with
 # 1,024 and AIME with 200 (sail-sg/LongSpec longspec/test). Documents and chats follow LongBench,
 # chain-of-thought questions AIME; never more than an eighth of the stage's max_seq_length
@@ -73,25 +75,6 @@ def question_text(tokenizer, messages: list[dict]) -> str:
         return render(tokenizer, messages[: last + 1], generation_prompt=True)
     except ChatError as e:
         raise PromptError(str(e)) from None
-
-
-def end_of_turn_ids(tokenizer) -> tuple[int, ...]:
-    """The EOS and the special token the chat template closes an assistant turn with (a server's
-    stop tokens); the EOS alone for a tokenizer without a template."""
-    from longspec.data.chat import ChatError, end_of_turn
-
-    stops = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
-    if getattr(tokenizer, "chat_template", None):
-        try:
-            after = end_of_turn(tokenizer, [{"role": "user", "content": "hi"}])
-        except ChatError:
-            return tuple(stops)
-        ids = tokenizer(after, add_special_tokens=False)["input_ids"]
-        special = set(tokenizer.all_special_ids) | set(tokenizer.get_added_vocab().values())
-        first = next((i for i in ids if i in special), None)
-        if first is not None and first not in stops:
-            stops.append(int(first))
-    return tuple(stops)
 
 
 CHAT_FIELDS = ("messages", "conversation", "article")

@@ -197,7 +197,7 @@ def test_export_refusals(project, drafts):
 
 
 def test_cli_modules_never_import_torch():
-    code = ("import sys, longspec_cli.app, longspec_cli.commands.eval, longspec_cli.commands.export, "
+    code = ("import sys, longspec_cli.app, longspec_cli.commands.eval, longspec_cli.commands.export, longspec_cli.commands.regenerate, "
             "longspec_cli.core.quality; bad = [m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)

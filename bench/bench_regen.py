@@ -1,0 +1,102 @@
+"""Regeneration's throughput on the tiny target: the embedded engine (batched greedy `generate`)
+against a local `transformers serve` (one server, --concurrency requests at a time), on the same
+records; the rows must be the same.
+
+    .venv/bin/python bench/bench_regen.py [--records 16] [--batch 8] [--concurrency 4] [--keep]
+
+Builds the tiny preset's target (cached), takes the first N long_cot records, runs
+`python -m longspec.regenerate` once per engine and prints one JSON line per engine (rows/s,
+tokens/s, counts) and whether the rows are equal. The machine's load average is printed too.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def regen(work: Path, out: Path, *extra: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "longspec.regenerate", "--config-dir", str(work / "conf"),
+                           "+exp=cot", "--out", str(out), "--json", *extra], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=3600)
+    if proc.returncode:
+        sys.exit(proc.stderr[-3000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def rows(out: Path) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    return [r for p in sorted(out.glob("part-*.parquet")) for r in pq.read_table(str(p)).to_pylist()]
+
+
+def serve(target: Path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    exe = shutil.which("transformers", path=str(Path(sys.executable).parent)) or "transformers"
+    proc = subprocess.Popen([exe, "serve", str(target), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"],
+                            env=dict(os.environ, HF_HUB_OFFLINE="1"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                return proc, url
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    sys.exit("transformers serve did not start")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--records", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--keep", action="store_true")
+    args = ap.parse_args()
+    from longspec.tiny import build_tiny
+
+    work = Path(tempfile.mkdtemp(prefix="bench-regen-"))
+    try:
+        tiny = build_tiny(work / "tiny", family="qwen2")
+        lines = Path(tiny["data"]["longcot"]).read_text().splitlines()[:args.records]
+        (work / "cot.jsonl").write_text("\n".join(lines) + "\n")
+        (work / "conf" / "exp").mkdir(parents=True)
+        (work / "conf" / "exp" / "cot.yaml").write_text(
+            f"# @package _global_\nstage: longcot\nmodel_name_or_path: {tiny['target']}\n"
+            f"train_file: {work / 'cot.jsonl'}\noutput_dir: {work / 'run'}\nprecision: fp32\n"
+            "data: {collator: long_cot, max_seq_length: 512}\n")
+        keys = ("kept", "truncated", "failed", "skipped", "completion_tokens", "seconds", "rows_per_s", "tokens_per_s")
+        emb = regen(work, work / "emb", "--batch", str(args.batch))
+        print(json.dumps({"engine": "embedded", "batch": args.batch, **{k: emb[k] for k in keys}}), flush=True)
+        proc, url = serve(Path(tiny["target"]))
+        try:
+            srv = regen(work, work / "srv", "--server", url, "--concurrency", str(args.concurrency))
+        finally:
+            proc.terminate()
+            proc.wait(10)
+        print(json.dumps({"engine": "transformers serve", "concurrency": args.concurrency,
+                          **{k: srv[k] for k in keys}}), flush=True)
+        print(json.dumps({"same_rows": rows(work / "emb") == rows(work / "srv"), "records": args.records,
+                          "load_average": os.getloadavg()}))
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""Regeneration's output folder (PROJECT/data/regen/STAGE/): ordered parquet shards and manifest.json.
+
+    part-SSSSSSSS-EEEEEEEE.parquet   the kept rows of source records [S, E), in source order;
+                                     written whole (temp file + rename), so a file that exists is
+                                     complete; its counts ride in its own footer (COUNTS_KEY)
+    manifest.json                    what made the rows (target and tokenizer digests, the
+                                     source's fingerprint, prompt rule, settings, engine) and the
+                                     counts; a rerun with another source, target or setting is
+                                     refused with the reason (or starts over with force)
+
+Resume: the shards cover records [0, E) without a gap; a rerun starts at the last E. Rows come
+to `OrderedWriter.put` in any order; it holds them (a bounded reorder buffer: the caller keeps at
+most `window` rows in flight) and cuts a shard at every `shard_rows` records, in order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from longspec.data.records import DataError
+from longspec.data.regen import COLUMNS, META_COLUMNS, Row, output_record
+from longspec_cli.core import datafiles
+from longspec_cli.core.atomic import atomic_write_bytes, atomic_write_json
+
+MANIFEST = "manifest.json"
+FORMAT = "longspec-regen-1"
+COUNTS_KEY = b"longspec.regen.counts"
+COUNTS = ("kept", "truncated", "failed", "skipped", "prompt_tokens", "completion_tokens")
+_SHARD = re.compile(r"part-(\d{8})-(\d{8})\.parquet$")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt")
+
+
+class RegenRefused(DataError):
+    """The folder holds rows made otherwise (another source, target or setting)."""
+
+
+# ----------------------------------------------------------------------------- fingerprints
+
+def target_digest(target) -> str:
+    """sha256 of the target's config files and its weight files' names and sizes (a 60 GB target
+    is not re-read; chainwalk's continuations use the same rule)."""
+    h = hashlib.sha256(b"target\n")
+    folder = Path(target)
+    for f in sorted(folder.iterdir()) if folder.is_dir() else ():
+        if f.name in ("config.json", "generation_config.json"):
+            h.update(f.name.encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
+        elif f.suffix in WEIGHT_SUFFIXES:
+            h.update(f"{f.name}\0{f.stat().st_size}".encode())
+    return h.hexdigest()
+
+
+def source_fingerprint(train_file) -> dict:
+    """The train_file's files with their sizes and content sha256."""
+    from longspec_cli.core.runfolder import cached_sha256
+
+    try:
+        files = datafiles.resolve(train_file).files
+    except datafiles.SourceError as e:
+        raise DataError(e.message) from None
+    return {"train_file": str(train_file),
+            "files": [{"path": str(f), "size": f.stat().st_size, "sha256": cached_sha256(f)} for f in files]}
+
+
+def expectations(train_file, target, collator: str, settings: dict, prompt_rule: dict) -> dict:
+    """What the manifest must hold for the folder's rows to be reused."""
+    from longspec_cli.core.prepared import tokenizer_fingerprint
+
+    return {"format": FORMAT, "collator": collator, "source": source_fingerprint(train_file),
+            "target": {"path": str(target), "digest": target_digest(target)},
+            "tokenizer": tokenizer_fingerprint(target), "prompt_rule": prompt_rule, "settings": settings}
+
+
+def mismatch(old: dict, new: dict) -> str | None:
+    """Why rows made under `old` cannot be continued under `new` (None: they can)."""
+    if old.get("format") != new["format"]:
+        return f"the folder was written by another format ({old.get('format')})"
+    if old.get("source") != new["source"]:
+        was = {f["path"]: f for f in (old.get("source") or {}).get("files", [])}
+        now = {f["path"]: f for f in new["source"]["files"]}
+        changed = sorted(Path(p).name for p in set(was) | set(now) if was.get(p) != now.get(p))
+        return f"the source changed ({', '.join(changed[:3]) or new['source']['train_file']})"
+    if (old.get("target") or {}).get("digest") != new["target"]["digest"]:
+        return f"the target changed ({new['target']['path']}: config or weights)"
+    if old.get("tokenizer") != new["tokenizer"]:
+        return "the target's tokenizer changed"
+    if old.get("collator") != new["collator"]:
+        return f"the collator changed ({old.get('collator')} -> {new['collator']})"
+    if old.get("prompt_rule") != new["prompt_rule"]:
+        return "the prompt rule changed (another longspec version)"
+    was, now = old.get("settings") or {}, new["settings"]
+    diff = [f"{k} {was.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(was) | set(now)) if was.get(k) != now.get(k)]
+    return f"a setting changed ({'; '.join(diff)})" if diff else None
+
+
+# ----------------------------------------------------------------------------- the folder
+
+def read_manifest(out: Path) -> dict | None:
+    try:
+        doc = json.loads((out / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def shards(out: Path) -> list[tuple[int, int, Path]]:
+    """The complete shards as (start, end, path), by start."""
+    found = []
+    for p in out.glob("part-*.parquet") if out.is_dir() else ():
+        m = _SHARD.match(p.name)
+        if m:
+            found.append((int(m.group(1)), int(m.group(2)), p))
+    return sorted(found)
+
+
+def shard_counts(path: Path) -> dict:
+    import pyarrow.parquet as pq
+
+    meta = pq.read_schema(str(path)).metadata or {}
+    return json.loads(meta.get(COUNTS_KEY, b"{}"))
+
+
+def refuse_own_output(train_file, out: Path) -> None:
+    """A train_file inside the folder being written (after `regenerate --use`) is refused."""
+    src = Path(train_file).absolute()
+    if src == out or out in src.parents:
+        old = (read_manifest(out) or {}).get("source", {}).get("train_file")
+        raise RegenRefused(f"train_file {train_file} is the regeneration folder itself"
+                           + (f"; its rows were made from {old}: give that as train_file=..." if old else ""))
+
+
+def open_folder(out: Path, expect: dict, force: bool) -> tuple[int, dict]:
+    """(the record index a run starts at, the counts of the rows already written); refuses a folder
+    made otherwise unless force (which removes its shards)."""
+    old = read_manifest(out)
+    parts = shards(out)
+    if force:
+        for _, _, p in parts:
+            p.unlink()
+        parts = []
+    elif old is not None and (why := mismatch(old, expect)):
+        raise RegenRefused(f"{out}: {why}; its rows were made otherwise (--force starts over)")
+    elif old is None and parts:
+        raise RegenRefused(f"{out}: shards without a {MANIFEST}; not a regeneration folder this run can continue")
+    end, totals = 0, dict.fromkeys(COUNTS, 0)
+    for start, stop, p in parts:
+        if start != end:
+            raise RegenRefused(f"{out}: records {end}..{start - 1} have no shard (a gap); rerun with --force")
+        for k, v in shard_counts(p).items():
+            totals[k] = totals.get(k, 0) + v
+        end = stop
+    for tmp in out.glob(".part-*.tmp") if out.is_dir() else ():   # a write a kill cut short
+        tmp.unlink(missing_ok=True)
+    return end, totals
+
+
+def write_manifest(out: Path, expect: dict, engine: dict, totals: dict, records: int | None,
+                   done: int, complete: bool) -> None:
+    """The manifest; `engines` lists every engine that wrote rows here (a resume may use another)."""
+    old = read_manifest(out) or {}
+    engines = [e for e in old.get("engines", []) if e != engine] if done else []
+    atomic_write_json(out / MANIFEST, {**expect, "engine": engine, "engines": engines + [engine],
+                                       "counts": totals, "records": records, "done": done,
+                                       "complete": complete, "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+
+
+def _arrow_type(pa, column: str):
+    if column == "messages":
+        return pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+    return pa.int64() if column.endswith("_tokens") else pa.string()
+
+
+def write_shard(out: Path, collator: str, start: int, end: int, records: list[dict], counts: dict) -> Path:
+    """One shard of records [start, end), written whole (temp file, fsync, rename)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    names = COLUMNS[collator] + META_COLUMNS
+    schema = pa.schema([(c, _arrow_type(pa, c)) for c in names], metadata={COUNTS_KEY: json.dumps(counts)})
+    table = pa.Table.from_pylist([{c: r.get(c) for c in names} for r in records], schema=schema)
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    path = out / f"part-{start:08d}-{end:08d}.parquet"
+    atomic_write_bytes(path, buf.getvalue())
+    return path
+
+
+class OrderedWriter:
+    """Rows in, shards out in source order: a row is held until every earlier record is done."""
+
+    def __init__(self, out: Path, collator: str, start: int, shard_rows: int, keep_truncated: bool,
+                 totals: dict):
+        self.out, self.collator, self.shard_rows = out, collator, shard_rows
+        self.keep_truncated = keep_truncated
+        self.next = self.shard_start = start          # the next record index to write; the open shard's first
+        self.held: dict[int, Row] = {}                # finished rows waiting for an earlier one
+        self.records: list[dict] = []
+        self.counts = dict.fromkeys(COUNTS, 0)
+        self.totals = totals
+        self.problems: list[str] = []
+
+    def put(self, row: Row) -> None:
+        self.held[row.index] = row
+        while self.next in self.held:
+            self._take(self.held.pop(self.next))
+            self.next += 1
+            if self.next - self.shard_start >= self.shard_rows:
+                self.flush()
+
+    def _take(self, row: Row) -> None:
+        status = row.status
+        self.counts[status] = self.counts.get(status, 0) + 1
+        self.counts["prompt_tokens"] += row.prompt_tokens
+        self.counts["completion_tokens"] += sum(a.tokens for a in row.answers)
+        if status == "kept" or (status == "truncated" and self.keep_truncated):
+            self.records.append(output_record(row, self.collator))
+        elif status in ("failed", "skipped") and len(self.problems) < 20:
+            self.problems.append(f"{row.id}: {status}: {row.reason}")
+
+    def flush(self) -> None:
+        """Write the open shard (the records taken so far), if it covers any record."""
+        if self.next == self.shard_start:
+            return
+        write_shard(self.out, self.collator, self.shard_start, self.next, self.records, self.counts)
+        for k, v in self.counts.items():
+            self.totals[k] = self.totals.get(k, 0) + v
+        self.shard_start, self.records, self.counts = self.next, [], dict.fromkeys(COUNTS, 0)
+
+    def pending(self) -> dict[str, Any]:
+        """The counts including the open shard's (for the progress line)."""
+        return {k: self.totals.get(k, 0) + self.counts.get(k, 0) for k in COUNTS}

@@ -1,0 +1,249 @@
+"""Regenerate a stage's answers with its own target, so the draft learns what the target writes.
+
+    python -m longspec.regenerate --config-dir DIR/conf +exp=STAGE [key=value ...] --out DIR
+        [--server URL ...] [--concurrency N] [--api completions|chat] [--batch N]
+        [--prefix-tokens N] [--max-new-tokens N] [--shard-rows N] [--limit N]
+        [--keep-truncated] [--force] [--json]
+
+Reads the stage's train_file (longspec.data.records), asks the target (longspec.decode.engines:
+greedy on the local target, or OpenAI-compatible servers with --server) by the prompt rules of
+longspec.data.regen, and writes OUT as ordered parquet shards plus manifest.json
+(longspec.data.regenstore). A rerun resumes after the last complete shard; another source,
+target or setting is refused (exit 1, the reason) unless --force.
+
+Exit codes: 0 done, 1 refused or a config error, 3 unreadable input, 5 stopped by SIGTERM,
+130 stopped by SIGINT (both after writing the rows done so far). Progress on stderr; --json prints
+the summary as one JSON line on stdout.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from longspec.data import regen as R
+from longspec.data import regenstore as S
+
+EXIT_REFUSED, EXIT_INPUT, EXIT_TERM, EXIT_INT = 1, 3, 5, 130
+INT_FLAGS = ("concurrency", "batch", "prefix-tokens", "max-new-tokens", "shard-rows", "limit", "window")
+DEFAULTS = {"out": None, "server": [], "api": "completions", "concurrency": 4, "batch": 8, "prefix-tokens": 128,
+            "max-new-tokens": None, "shard-rows": 1000, "limit": None, "window": None,
+            "keep-truncated": False, "force": False, "json": False}
+FLAGS: dict = {}
+STOP: list[int] = []          # the exit code a stop signal asked for
+
+
+def take_flags(argv: list[str]) -> tuple[list[str], dict]:
+    """(Hydra's arguments, this module's flags)."""
+    flags = {k: (list(v) if isinstance(v, list) else v) for k, v in DEFAULTS.items()}
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        name, eq, value = a[2:].partition("=") if a.startswith("--") else ("", "", "")
+        if name in ("keep-truncated", "force", "json") and not eq:
+            flags[name] = True
+        elif name in DEFAULTS and name not in ("keep-truncated", "force", "json"):
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise SystemExit(f"error: {a} needs a value")
+                value, i = argv[i + 1], i + 1
+            if name == "server":
+                flags["server"].append(value)
+            elif name in INT_FLAGS:
+                if not value.isdigit() or int(value) < 1:
+                    raise SystemExit(f"error: --{name} {value}: a positive whole number")
+                flags[name] = int(value)
+            else:
+                flags[name] = value
+        else:
+            out.append(a)
+        i += 1
+    return out, flags
+
+
+# ----------------------------------------------------------------------------- the run
+
+def run(cfg) -> dict:
+    from longspec.data.encoding import load_tokenizer
+    from longspec.training.entry import TrainError, read_config
+
+    conf = read_config(cfg)
+    target, train_file = Path(conf["model_name_or_path"]), Path(conf["train_file"])
+    collator, max_seq = conf["data"]["collator"], int(conf["data"]["max_seq_length"])
+    out = Path(FLAGS["out"] or Path("data") / "regen" / conf["stage"]).absolute()
+    settings = {"max_seq_length": max_seq, "prefix_tokens": FLAGS["prefix-tokens"],
+                "max_new_tokens": FLAGS["max-new-tokens"], "temperature": 0,
+                "chat_template_kwargs": R.CHAT_TEMPLATE_KWARGS, "keep_truncated": FLAGS["keep-truncated"]}
+    S.refuse_own_output(train_file, out)
+    expect = S.expectations(train_file, target, collator, settings, R.PROMPT_RULE)
+    start, totals = S.open_folder(out, expect, FLAGS["force"])
+    out.mkdir(parents=True, exist_ok=True)
+    total = R.count_records(train_file)
+    if FLAGS["limit"]:
+        total = min(total, FLAGS["limit"])
+    tok = load_tokenizer(target)
+    engine = _engine(target, tok)
+    S.write_manifest(out, expect, engine.describe(), totals, total, start, start >= total)
+    writer = S.OrderedWriter(out, collator, start, FLAGS["shard-rows"], FLAGS["keep-truncated"], totals)
+    prompter = R.Prompter(tok, max_seq, FLAGS["prefix-tokens"], FLAGS["max-new-tokens"])
+    rows = itertools.takewhile(lambda r: r.index < total, R.source_rows(train_file, collator, start))
+    progress = Progress(conf["stage"], start, total, writer)
+    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    t0 = time.monotonic()
+    try:
+        if engine.kind == "server":
+            done = _served(engine, prompter, rows, progress)
+        else:
+            done = _embedded(engine, prompter, rows, progress)
+        for row in done:
+            writer.put(row)
+            progress.tick()
+    except OSError as e:
+        raise TrainError(f"{out}: cannot write ({e.strerror or e})") from None
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        writer.flush()                                 # what is done is kept, in order
+        if engine.kind == "server":
+            engine.close()
+        complete = not STOP and writer.next >= total
+        S.write_manifest(out, expect, engine.describe(), writer.totals, total, writer.next, complete)
+        progress.end()
+    seconds = time.monotonic() - t0
+    made = writer.totals["completion_tokens"] - progress.tokens0
+    return {"stage": conf["stage"], "out": str(out), "engine": engine.describe(), "records": total,
+            "done": writer.next, "resumed_at": start, "complete": complete, **writer.totals,
+            "seconds": round(seconds, 2), "rows_per_s": round((writer.next - start) / max(seconds, 1e-9), 3),
+            "tokens_per_s": round(made / max(seconds, 1e-9), 1), "problems": writer.problems,
+            **({"stopped_by": "SIGINT" if STOP[0] == EXIT_INT else "SIGTERM"} if STOP else {})}
+
+
+def _engine(target: Path, tok):
+    from longspec.decode.engines import EmbeddedEngine, ServerEngine
+
+    if FLAGS["server"]:
+        return ServerEngine(FLAGS["server"], FLAGS["concurrency"], FLAGS["api"],
+                            template_kwargs=R.CHAT_TEMPLATE_KWARGS)
+    return EmbeddedEngine(target, tok, FLAGS["batch"])
+
+
+def _on_signal(signum, frame) -> None:
+    if STOP:                                           # a second signal: stop at once
+        raise KeyboardInterrupt
+    STOP.append(EXIT_INT if signum == signal.SIGINT else EXIT_TERM)
+    print(f"\nregenerate: {signal.Signals(signum).name}: writing the rows done so far", file=sys.stderr, flush=True)
+
+
+def _embedded(engine, prompter, rows, progress):
+    """Rows a batch at a time; a chat's turns in rounds (every row's next turn in one batch)."""
+    while not STOP:
+        chunk = [r for _, r in zip(range(engine.batch), rows)]
+        if not chunk:
+            return
+        while not STOP:
+            asks = [(r, q) for r in chunk if r.status == "pending" for q in [prompter.next_request(r)] if q]
+            if not asks:
+                break
+            for (r, q), a in zip(asks, engine.answer([q for _, q in asks])):
+                prompter.take(r, q, a)
+        if any(r.status == "pending" for r in chunk):
+            return                                     # stopped halfway through: a rerun makes this batch
+        yield from chunk
+
+
+def _served(engine, prompter, rows, progress):
+    from longspec.decode.engines import EngineError, ordered
+
+    def step(row):
+        while row.status == "pending":
+            q = prompter.next_request(row)
+            if q is None:
+                return
+            msgs = row.messages[:row.todo[0]] if row.kind == "chat" else None
+            try:
+                prompter.take(row, q, engine.ask(q, msgs))
+            except EngineError as e:
+                row.status, row.reason = "failed", str(e)
+
+    window = FLAGS["window"] or len(engine.urls) * engine.concurrency * 4
+    yield from ordered(engine, rows, step, window, lambda: bool(STOP))
+
+
+class Progress:
+    """One line on stderr every few seconds: rows, rows/s, tokens/s, ETA."""
+
+    def __init__(self, stage: str, start: int, total: int, writer, every: float = 2.0):
+        self.stage, self.start, self.total, self.writer, self.every = stage, start, total, writer, every
+        self.t0 = self.last = time.monotonic()
+        self.tokens0 = writer.pending()["completion_tokens"]
+
+    def tick(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.last < self.every:
+            return
+        self.last = now
+        c, done = self.writer.pending(), self.writer.next
+        dt = max(now - self.t0, 1e-9)
+        rate, toks = (done - self.start) / dt, (c["completion_tokens"] - self.tokens0) / dt
+        eta = _clock((self.total - done) / rate) if rate > 0 else "?"
+        print(f"[{self.stage}] regenerate {done}/{self.total} rows  {rate:.2f} rows/s  {toks:.0f} tokens/s  "
+              f"ETA {eta}  (kept {c['kept']}, truncated {c['truncated']}, failed {c['failed']}, "
+              f"skipped {c['skipped']})", file=sys.stderr, flush=True)
+
+    def end(self) -> None:
+        self.tick(force=True)
+
+
+def _clock(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+# ----------------------------------------------------------------------------- entry point
+
+def guarded(cfg) -> int:
+    from longspec.data.encoding import DataError
+    from longspec.decode.engines import EngineError
+    from longspec.training.entry import EXIT_ERROR, tool_boundary
+
+    def code_of(e: BaseException) -> int:
+        if isinstance(e, (S.RegenRefused, EngineError)):
+            return EXIT_REFUSED
+        return EXIT_INPUT if isinstance(e, DataError) else EXIT_ERROR
+
+    code, r = tool_boundary(run, cfg, json_out=FLAGS["json"], extra_errors=(EngineError,), code_of=code_of)
+    if r is not None:
+        if FLAGS["json"]:
+            print(json.dumps(r), flush=True)
+        print(summary_text(r), file=sys.stderr, flush=True)
+    if STOP:
+        # A server's requests still in flight are abandoned: their threads are not waited for.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(STOP[0])
+    return code
+
+
+def summary_text(r: dict) -> str:
+    head = "stopped" if r.get("stopped_by") else ("done" if r["complete"] else "partial")
+    return (f"regenerate {r['stage']}: {head}, {r['done']}/{r['records']} records -> {r['out']}\n"
+            f"  kept {r['kept']}, truncated {r['truncated']}, failed {r['failed']}, skipped {r['skipped']}; "
+            f"tokens: prompt {r['prompt_tokens']:,}, new {r['completion_tokens']:,}; "
+            f"{r['rows_per_s']} rows/s, {r['tokens_per_s']} tokens/s")
+
+
+def main() -> None:
+    from longspec.training.entry import implied_config_dir, make_hydra_entry
+
+    argv, flags = take_flags(sys.argv[1:])
+    FLAGS.update(flags)
+    sys.argv = [sys.argv[0]] + implied_config_dir(argv)
+    make_hydra_entry(guarded)()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,367 @@
+"""Regeneration (`python -m longspec.regenerate`) on the tiny target: the embedded engine is greedy
+`generate`; a real `transformers serve` gives the same rows; kill -9 then a rerun gives the rows of
+an uninterrupted run; cut answers are dropped and counted; a changed setting is refused; a
+document's prefix is untrained context. Real tokenizer, real model, real processes, real server."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from longspec.data import encoding
+from longspec.data import regen as R
+from longspec.data import regenstore as S
+
+REPO = Path(__file__).resolve().parents[2]
+COT_RECORDS = 8
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict:
+    from longspec.tiny import build_tiny
+
+    return build_tiny(tmp_path_factory.mktemp("tiny"), family="qwen2")
+
+
+@pytest.fixture(scope="module")
+def tok(tiny):
+    return encoding.load_tokenizer(str(tiny["target"]))
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory, tiny) -> Path:
+    """A stage per collator over a few of the tiny records (conf/exp/{cot,doc}.yaml)."""
+    root = tmp_path_factory.mktemp("regen")
+    lines = Path(tiny["data"]["longcot"]).read_text().splitlines()
+    (root / "cot.jsonl").write_text("\n".join(lines[:COT_RECORDS]) + "\n")
+    docs = Path(tiny["data"]["base"]).read_text().splitlines()
+    (root / "doc.jsonl").write_text("\n".join(docs[:4]) + "\n")
+    (root / "conf" / "exp").mkdir(parents=True)
+    for name, collator, seq in (("cot", "long_cot", 512), ("doc", "short_text", 96)):
+        (root / "conf" / "exp" / f"{name}.yaml").write_text(
+            f"# @package _global_\nstage: {name}\nmodel_name_or_path: {tiny['target']}\n"
+            f"train_file: {root / (name + '.jsonl')}\noutput_dir: {root / 'run'}\nprecision: fp32\n"
+            f"data: {{collator: {collator}, max_seq_length: {seq}}}\n")
+    return root
+
+
+def cmd(work: Path, stage: str, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "longspec.regenerate", "--config-dir", str(work / "conf"), f"+exp={stage}",
+            "--out", str(out), "--json", *extra]
+
+
+def env(work: Path) -> dict:
+    return dict(os.environ, PYTHONPATH=str(REPO), LONGSPEC_CACHE_DIR=str(work / "cache"),
+                TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+
+
+def regenerate(work: Path, stage: str, out: Path, *extra: str, code: int = 0) -> dict:
+    proc = subprocess.run(cmd(work, stage, out, *extra), cwd=work, env=env(work), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == code, proc.stderr[-3000:]
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "stderr": proc.stderr}
+
+
+def rows_of(out: Path) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    return [r for _, _, p in S.shards(out) for r in pq.read_table(str(p)).to_pylist()]
+
+
+@pytest.fixture(scope="module")
+def embedded(work) -> dict:
+    """One uninterrupted embedded run of the chat stage: the reference the other tests compare with."""
+    out = work / "out-embedded"
+    r = regenerate(work, "cot", out, "--shard-rows", "3", "--batch", "4")
+    return {"result": r, "rows": rows_of(out), "out": out}
+
+
+def _requests(tok, work: Path, limit: int = 4) -> list:
+    """Chat turns and document prefixes together (their stop tokens differ: a batch must not mix them)."""
+    p = R.Prompter(tok, 512, 16, 64)
+    rows = list(R.source_rows(work / "cot.jsonl", "long_cot"))[:limit]
+    docs = list(R.source_rows(work / "doc.jsonl", "short_text"))[:2]
+    return [p.next_request(r) for r in rows[:2] + docs + rows[2:]]
+
+
+def test_embedded_engine_is_greedy_generate(tiny, tok, work):
+    """Left-padded batches give each prompt's own greedy `generate` text, stop and token count,
+    documents (stop: EOS) and chat turns (stop: end of turn too) asked together."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from longspec.decode.engines import EmbeddedEngine
+
+    reqs = _requests(tok, work)
+    eng = EmbeddedEngine(tiny["target"], tok, batch=4, device="cpu")
+    assert {q.stop_ids for q in reqs} == {(0,), (0, 2)}
+    got = eng.answer(reqs)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny["target"])).eval()
+    for q, a in zip(reqs, got):
+        with torch.no_grad():
+            gen = model.generate(torch.tensor([q.ids]), do_sample=False, max_new_tokens=q.max_new,
+                                 eos_token_id=list(q.stop_ids), pad_token_id=tok.pad_token_id)[0, len(q.ids):].tolist()
+        stopped = gen[-1] in q.stop_ids
+        want = tok.decode(gen[:-1] if stopped else gen, skip_special_tokens=True)
+        assert (a.text, a.tokens, a.finish) == (want, len(gen), "stop" if stopped else "length")
+    assert any(a.finish == "stop" for a in got)
+
+
+def test_embedded_run_writes_trainable_ordered_rows(embedded, work, tok):
+    r, rows = embedded["result"], embedded["rows"]
+    assert r["complete"] and r["done"] == r["records"] == COT_RECORDS
+    assert r["kept"] + r["truncated"] + r["failed"] + r["skipped"] == COT_RECORDS and r["kept"] > 0
+    assert len(rows) == r["kept"] and all(x["finish_reason"] == "stop" for x in rows)
+    idx = [int(x["id"].split("#")[1]) for x in rows]
+    assert idx == sorted(set(idx))                                     # source order, no duplicate
+    assert [(s, e) for s, e, _ in S.shards(embedded["out"])] == [(0, 3), (3, 6), (6, 8)]
+    man = S.read_manifest(embedded["out"])
+    assert man["complete"] and man["counts"]["kept"] == r["kept"] and man["settings"]["max_seq_length"] == 512
+    assert man["source"]["files"][0]["sha256"] and man["target"]["digest"] and man["tokenizer"]
+    ds = encoding.build_dataset(embedded["out"], tok, "long_cot", 512)   # the folder is a train_file
+    assert len(ds) == len(rows)
+    src = {f"cot.jsonl#{i}": json.loads(line) for i, line in enumerate((work / "cot.jsonl").read_text().splitlines())}
+    from longspec.data.collators import long_cot_messages
+
+    for x in rows:                                  # the question kept, the answer the target's
+        asked = long_cot_messages(src[x["id"]])[0]["content"]
+        assert x["prompt"] == asked
+    assert "rows/s" in r["stderr"] and "tokens/s" in r["stderr"]
+
+
+def test_kill_9_then_rerun_gives_the_uninterrupted_rows(embedded, work):
+    out = work / "out-killed"
+    proc = subprocess.Popen(cmd(work, "cot", out, "--shard-rows", "3", "--batch", "4"), cwd=work, env=env(work),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not S.shards(out) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(random.uniform(0, 0.5))
+    assert proc.poll() is None, "the run ended before the kill"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert S.shards(out)[-1][1] < COT_RECORDS                          # killed halfway
+    r = regenerate(work, "cot", out, "--shard-rows", "3", "--batch", "4")
+    assert r["complete"] and not list(out.glob(".part-*"))
+    assert rows_of(out) == embedded["rows"]
+    assert {k: r[k] for k in S.COUNTS} == {k: embedded["result"][k] for k in S.COUNTS}
+
+
+def test_cut_answers_dropped_and_counted_and_a_changed_setting_refused(work):
+    out = work / "out-cut"
+    r = regenerate(work, "cot", out, "--max-new-tokens", "4", "--limit", "3")
+    assert (r["kept"], r["truncated"], r["done"]) == (0, 3, 3) and rows_of(out) == []
+    r = regenerate(work, "cot", out, "--max-new-tokens", "4", "--limit", "3", "--keep-truncated", code=1)
+    assert "a setting changed (keep_truncated False -> True)" in r["stderr"] and "--force" in r["stderr"]
+    assert r["exit_code"] == 1
+    r = regenerate(work, "cot", out, "--max-new-tokens", "4", "--limit", "3", "--keep-truncated", "--force")
+    rows = rows_of(out)
+    assert r["truncated"] == 3 and len(rows) == 3
+    assert all(x["finish_reason"] == "length" and x["completion_tokens"] == 4 for x in rows)
+
+
+def test_document_prefix_is_untrained_context(work, tok):
+    out = work / "out-doc"
+    r = regenerate(work, "doc", out, "--prefix-tokens", "16", "--max-new-tokens", "24")
+    rows = rows_of(out)
+    assert r["complete"] and len(rows) == r["kept"] + r["truncated"] * 0 and r["done"] == 4
+    src = [json.loads(line)["text"] for line in (work / "doc.jsonl").read_text().splitlines()]
+    assert r["kept"] + r["truncated"] == 4
+    for x in rows:
+        assert src[int(x["id"].split("#")[1])].startswith(x["context"])
+        kinds: list[str] = []
+        ids, trained = encoding.encode_record(x, tok, "short_text", 96, kinds)
+        n_ctx = len(tok(x["context"])["input_ids"])
+        assert not any(trained[:n_ctx]) and all(trained[n_ctx:-1]) and kinds[0] == "prompt"
+
+
+def test_sigterm_writes_the_rows_done_and_exits_5(embedded, work):
+    out = work / "out-term"
+    proc = subprocess.Popen(cmd(work, "cot", out, "--shard-rows", "2", "--batch", "2", "--limit", "6"), cwd=work,
+                            env=env(work), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not S.shards(out) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    if proc.returncode == 0:
+        pytest.skip("the run ended before the signal")
+    assert proc.returncode == 5, stderr[-2000:]
+    r = json.loads(stdout.strip().splitlines()[-1])
+    assert r["stopped_by"] == "SIGTERM" and not r["complete"] and r["done"] >= 2
+    assert rows_of(out) == [x for x in embedded["rows"] if int(x["id"].split("#")[1]) < r["done"]]
+    assert regenerate(work, "cot", out, "--shard-rows", "2", "--batch", "2", "--limit", "6")["complete"]
+    assert rows_of(out) == [x for x in embedded["rows"] if int(x["id"].split("#")[1]) < 6]
+
+
+# ----------------------------------------------------------------------------- a real server
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    """`transformers serve` pinned to the tiny target on 127.0.0.1 (the `serving` extra: fastapi, uvicorn)."""
+    if not all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn", "openai")):
+        pytest.skip("transformers[serving] is not installed")
+    exe = shutil.which("transformers", path=str(Path(sys.executable).parent)) or shutil.which("transformers")
+    port = _free_port()
+    proc = subprocess.Popen([exe, "serve", str(tiny["target"]), "--host", "127.0.0.1", "--port", str(port),
+                             "--device", "cpu"], env=dict(os.environ, HF_HUB_OFFLINE="1"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            assert proc.poll() is None, "transformers serve exited while starting"
+            assert time.monotonic() < deadline, "transformers serve did not answer /health in 120 s"
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_server_engine_gives_the_embedded_rows(server, embedded, work):
+    out = work / "out-server"
+    r = regenerate(work, "cot", out, "--shard-rows", "3", "--server", server, "--concurrency", "2")
+    assert r["engine"]["kind"] == "server" and r["complete"]
+    assert rows_of(out) == embedded["rows"]
+    assert {k: r[k] for k in S.COUNTS} == {k: embedded["result"][k] for k in S.COUNTS}
+    # --api chat: the server renders the turns itself (chat_template_kwargs sent): the same rows
+    out = work / "out-server-chat"
+    r = regenerate(work, "cot", out, "--limit", "4", "--server", server, "--api", "chat")
+    assert r["engine"]["api"] == "chat" and r["complete"]
+    assert rows_of(out) == [x for x in embedded["rows"] if int(x["id"].split("#")[1]) < 4]
+
+
+def test_a_server_that_does_not_answer_is_refused(work):
+    r = regenerate(work, "cot", work / "out-nosrv", "--server", f"http://127.0.0.1:{_free_port()}", code=1)
+    assert "does not answer /v1/models" in r["stderr"] and "Traceback" not in r["stderr"]
+
+
+def test_a_server_reads_the_prompt_ids_the_trainer_reads_when_the_tokenizer_adds_a_bos(tiny):
+    """A server tokenizes the prompt text with the tokenizer's own special tokens (Llama 3: a BOS);
+    the rendered chat holds the BOS already, so the text sent leaves it out: the same ids."""
+    from tokenizers import processors
+
+    tok = encoding.load_tokenizer(str(tiny["target"]))
+    tok.add_special_tokens({"bos_token": "<|bos|>"})
+    bos = tok.convert_tokens_to_ids("<|bos|>")
+    tok._tokenizer.post_processor = processors.TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", bos)])
+    tok.chat_template = "{{ bos_token }}" + tok.chat_template
+    p = R.Prompter(tok, 512, 16, None)
+    row = R.Row(0, "x#0", "chat", {}, messages=[{"role": "user", "content": "add 1 and 2 ."},
+                                               {"role": "assistant", "content": "3 ."}], todo=[1])
+    q = p.next_request(row)
+    assert q.ids[0] == bos and q.ids.count(bos) == 1 and not q.text.startswith("<|bos|>")
+    assert tok(q.text)["input_ids"] == q.ids
+
+
+def test_server_engine_retries_timeouts_429_and_5xx_and_fails_a_400(tok, work):
+    """A stand-in OpenAI server (stdlib, 127.0.0.1) answers 503, then 429, then 200: one answer
+    after backoff; a 400 fails the request at once with the server's words."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from longspec.decode.engines import EngineError, ServerEngine
+
+    replies = [(503, b"Internal Server Error"), (429, b'{"detail": "slow down"}')]
+    bodies: list[dict] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def _send(self, code: int, body: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            self._send(200, json.dumps({"data": [{"id": "tiny"}]}).encode())
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            bodies.append(body)
+            if body["prompt"] == "bad":
+                return self._send(400, b'{"detail": "prompt too long"}')
+            if replies:
+                return self._send(*replies.pop(0))
+            self._send(200, json.dumps({"choices": [{"text": "3 .", "finish_reason": "stop"}],
+                                        "usage": {"completion_tokens": 3}}).encode())
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        eng = ServerEngine([f"http://127.0.0.1:{httpd.server_address[1]}/v1"], concurrency=1, backoff=0.01)
+        q = R.Request([1, 2], "add 1 and 2 .", 7, (2,), ("<|im_end|>",))
+        a = eng.ask(q)
+        assert (a.text, a.tokens, a.finish) == ("3 .", 3, "stop") and len(bodies) == 3
+        assert bodies[-1] == {"model": "tiny", "prompt": "add 1 and 2 .", "max_tokens": 7, "temperature": 0,
+                              "stop": ["<|im_end|>"]}
+        with pytest.raises(EngineError, match="HTTP 400.*prompt too long"):
+            eng.ask(R.Request([1], "bad", 7, (2,), ()))
+        assert len(bodies) == 4                                          # not retried
+        eng.close()
+    finally:
+        httpd.shutdown()
+
+
+def test_rows_finishing_out_of_order_come_out_in_source_order_within_the_window():
+    """The server path's reorder buffer: rows finish in any order, are yielded in source order, and
+    no more than `window` are in flight; after stop(), only rows already finished in order come out."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    from types import SimpleNamespace
+
+    from longspec.decode.engines import ordered
+
+    eng = SimpleNamespace(pool=ThreadPoolExecutor(4))
+    busy, peak, lock = [0], [0], threading.Lock()
+    rng = random.Random(3)
+    delays = [rng.uniform(0, 0.03) for _ in range(40)]
+
+    def step(row):
+        with lock:
+            busy[0] += 1
+            peak[0] = max(peak[0], busy[0])
+        time.sleep(delays[row.index])
+        with lock:
+            busy[0] -= 1
+
+    def rows(n):
+        return (R.Row(i, f"f#{i}", "chat", {}) for i in range(n))
+
+    got = [r.index for r in ordered(eng, rows(40), step, window=6, stop=lambda: False)]
+    assert got == list(range(40)) and peak[0] <= 4
+    stop = [False]
+    out = []
+    for r in ordered(eng, rows(40), step, window=6, stop=lambda: stop[0]):
+        out.append(r.index)
+        stop[0] = stop[0] or len(out) >= 5
+    assert out == list(range(len(out))) and 5 <= len(out) <= 5 + 6          # the window at most
+    eng.pool.shutdown()
