@@ -281,7 +281,7 @@ class GlideModel(nn.Module):
         """Sequence parallel: every rank of the group gets the same full batch (B, T) and runs its
         chunk; the losses are this rank's shares of the group's means (seqpar.local_share)."""
         sp = self.sp
-        sh = seqpar.prepare(input_ids, labels, position_ids, attention_mask, sp.size, sp.rank)
+        sh = seqpar.prepare(input_ids, labels, position_ids, attention_mask, sp.size, sp.rank, sp.rows)
         # No mask for the target: Ulysses drops it (causal attention; right padding never reaches
         # a real token) and a local 4D mask would only cost memory.
         tgt = self.target(sh.input_ids, sh.position_ids)             # K/V (B, kvh, Tl, hd)

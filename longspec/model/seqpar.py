@@ -34,6 +34,7 @@ class SeqParallel:
     group: Any                       # torch.distributed ProcessGroup of the SP ranks
     rank: int                        # rank within the group: which chunk of the sequence it holds
     size: int                        # SP
+    rows: int = 0                    # the target hook's fixed micro batch: smaller batches are padded to it
     _attn: dict = field(default_factory=dict, repr=False)   # (B, nh, kvh, hd) -> UlyssesSPAttentionHF
 
     def wrapper(self, batch: int, nh: int, kvh: int, hd: int):
@@ -60,7 +61,7 @@ def register_target(hf_model, sequence_parallel_size: int, micro_batch_size: int
         sequence_parallel_size=sequence_parallel_size, micro_batch_size=micro_batch_size,
         seq_length_is_variable=True)
     sp = SeqParallel(mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank(),
-                     mpu.get_sequence_parallel_world_size())
+                     mpu.get_sequence_parallel_world_size(), rows=micro_batch_size)
     return mpu, sp
 
 
@@ -74,12 +75,22 @@ class Shards:
     key_mask: torch.Tensor | None    # (B, T) the whole (padded) sequence's padding mask, None: no padding
 
 
-def prepare(input_ids, labels, position_ids, attention_mask, size: int, rank: int) -> Shards:
+def prepare(input_ids, labels, position_ids, attention_mask, size: int, rank: int, rows: int = 0) -> Shards:
     """The full batch (B, T) -> this rank's chunk, labels shifted first (next_token_loss's rule:
-    position t predicts labels[t + 1]; padded labels are ignored)."""
+    position t predicts labels[t + 1]; padded labels are ignored). ``rows``: a batch of fewer rows
+    (an epoch's last) gets rows without labels up to it (DeepSpeed's hook has a fixed batch size)."""
     B, T = input_ids.shape
     if attention_mask is not None:
         labels = labels.masked_fill(attention_mask.to(labels.device) == 0, IGNORE)
+    if B < rows:
+        extra = rows - B
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        input_ids = torch.cat([input_ids, input_ids.new_zeros(extra, T)])
+        labels = torch.cat([labels, labels.new_full((extra, T), IGNORE)])
+        position_ids = torch.cat([position_ids, position_ids[:1].expand(extra, T)])
+        attention_mask = torch.cat([attention_mask, attention_mask.new_zeros(extra, T)])
+        B = rows
     shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE)            # (B, T)
     pad = -T % size
     mask = attention_mask
