@@ -32,6 +32,10 @@ def test_prepare_shifts_labels_before_sharding_and_pads_to_a_multiple_of_sp():
     assert halves[0].key_mask.tolist() == [[1, 1, 1, 1, 1, 0]]     # the pad is masked for the draft
     full = seqpar.prepare(ids[:, :4], labels[:, :4], pos[:, :4], None, size=2, rank=1)
     assert full.key_mask is None and full.input_ids.tolist() == [[12, 13]]
+    # an epoch's short last batch gets label-less, masked rows up to the hook's fixed batch size
+    short = seqpar.prepare(ids[:, :4], labels[:, :4], pos[:, :4], None, size=2, rank=0, rows=3)
+    assert short.input_ids.shape == (3, 2) and (short.labels[1:] == -100).all()
+    assert short.key_mask.tolist() == [[1, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0]]
 
 
 def _free_port() -> int:
@@ -76,3 +80,21 @@ def test_the_comparison_fails_without_the_sequence_parallel_attention(sp_report)
     # Each rank alone on its half: the draft and the target attend within the half only.
     for r in sp_report:
         assert r["control_loss_diff"] > 1e-3 and r["control_grad_diff"] > 1e-3, r
+
+
+def test_ds_config_counts_data_parallel_ranks_and_turns_zero3_reduce_scatter_off():
+    from longspec.training import dsconfig
+    from tests.trainer.test_dsconfig import base_conf
+
+    conf = base_conf(sequence_parallel_size=4, per_gpu_train_batch_size=1, gradient_accumulation_steps=2)
+    conf["ds_cfg"] = {"zero_optimization": {"stage": 3, "reduce_scatter": True}}
+    ds, notes = dsconfig.build_ds_config(conf, world_size=8, total_steps=10, warmup_steps=1, on_cpu=False)
+    assert ds["train_batch_size"] == 1 * 2 * 2 and ds["sequence_parallel_size"] == 4
+    assert ds["zero_optimization"]["reduce_scatter"] is False and any("reduce_scatter = false" in n for n in notes)
+    conf["ds_cfg"] = {"zero_optimization": {"stage": 1}}
+    ds, notes = dsconfig.build_ds_config(conf, world_size=8, total_steps=10, warmup_steps=1, on_cpu=False)
+    assert "reduce_scatter" not in ds["zero_optimization"] and not notes    # ZeRO 0/1/2 sum over SP already
+    with pytest.raises(dsconfig.ConfigError, match="does not divide the world size 6"):
+        dsconfig.build_ds_config(conf, world_size=6, total_steps=10, warmup_steps=1, on_cpu=False)
+    plain, _ = dsconfig.build_ds_config(base_conf(), world_size=8, total_steps=10, warmup_steps=1, on_cpu=False)
+    assert "sequence_parallel_size" not in plain                           # SP 1: DeepSpeed's config as before
