@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 from longspec_cli.core.checks.seqpar import largest_sp, sp_problems
 from longspec_cli.launch import memory as M
@@ -69,3 +70,30 @@ def pytest_approx(x):
     import pytest
 
     return pytest.approx(x, rel=1e-9)
+
+
+def _errors(proj, *args) -> list[tuple[str, str]]:
+    _, rep = run_json(str(proj), *args)
+    return sorted((Path(p["file"]).name, p["key"]) for p in rep["problems"] if p["severity"] == "error")
+
+
+def test_the_128k_preset_composes_and_validates_like_its_32k_sibling(tmp_path):
+    from typer.testing import CliRunner
+
+    from longspec_cli.app import app
+    from longspec_cli.core.hydracompose import compose_stage
+
+    runner = CliRunner()
+    for name in ("llama3.1-8b-instruct", "llama3.1-8b-instruct-128k"):
+        res = runner.invoke(app, ["init", str(tmp_path / name), "--no-input", "--preset", name])
+        assert res.exit_code == 0, res.output
+    plain, long = tmp_path / "llama3.1-8b-instruct", tmp_path / "llama3.1-8b-instruct-128k"
+    # The same problems as the 32k project (the hub target and the data are not on disk), none for SP.
+    assert _errors(long) == _errors(plain)
+    for stage_name in ("long", "longcot"):
+        data = compose_stage(long / "conf" / "exp" / f"{stage_name}.yaml").data     # Hydra's own compose
+        assert data["sequence_parallel_size"] == 8 and data["data"]["max_seq_length"] == 131072
+        assert data["global_batch_size"] == 64 and data["gradient_accumulation_steps"] == 64
+    assert compose_stage(long / "conf" / "exp" / "base.yaml").data["sequence_parallel_size"] == 1
+    # On 4 GPUs SP 8 cannot run: validate says so from the preset's head counts.
+    assert ("long.yaml", "sequence_parallel_size") in _errors(long, "--world-size", "4")

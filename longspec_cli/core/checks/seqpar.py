@@ -54,22 +54,34 @@ def sp_problems(sp: int, world: int | None, heads: int | None, kv_heads: int | N
 
 
 def target_heads(c: Composed, ctx: Context) -> tuple[int, int] | None:
-    """(query heads, key-value heads) from the target's config.json, or None."""
+    """(query heads, key-value heads) from the target's config.json, else the project's preset."""
     model = c.get("model_name_or_path")
     if not usable(model) or CHECKPOINT_RE.search(str(model)):
         return None
     try:
         data = json.loads((abs_path(ctx, model) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return None
+        data = _preset_size(ctx)
     if not isinstance(data, dict):
         return None
     text = data.get("text_config") if isinstance(data.get("text_config"), dict) else data
-    heads = text.get("num_attention_heads")
-    kv = text.get("num_key_value_heads") or heads
+    heads = text.get("num_attention_heads", text.get("heads"))
+    kv = text.get("num_key_value_heads", text.get("kv_heads")) or heads
     if not (isinstance(heads, int) and isinstance(kv, int)) or heads < 1 or kv < 1:
         return None
     return heads, kv
+
+
+def _preset_size(ctx: Context) -> dict | None:
+    """The preset's `size:` table (heads, kv_heads) of a project whose target is not on disk yet."""
+    from longspec_cli.core import presets
+    from longspec_cli.errors import LongspecError
+
+    name = getattr(ctx.manifest, "preset", None)
+    try:
+        return presets.get_preset(name).size if name else None
+    except (LongspecError, OSError, TypeError):
+        return None
 
 
 def _int(v: Any) -> int | None:
