@@ -12,7 +12,9 @@
 
 Sequence parallel (`sequence_parallel_size` SP): each GPU holds T/SP tokens of every sequence (and,
 inside attention, all T tokens of nh/SP heads: the same size), so phases A and B divide by SP;
-the persistent part does not (ZeRO still partitions over the whole world).
+the persistent part does not (ZeRO still partitions over the whole world), nor does the SDPA
+path's mask: one (g*T, keys) mask per call, shared by the KV heads, over the whole sequence
+(measured: bench/bench_sp.py on the CPU), so SP pays off with flash-attn.
 
 The layer shapes follow longspec/model/glide.py (self-attn + cross-attn with q/k/v biases, SwiGLU MLP,
 three RMSNorms; the cross-attn k/v projections are frozen) and longspec/model/kernels.py (SDPA chunked
@@ -207,7 +209,7 @@ def estimate(s: StageShape, ranks_per_node: int | None = None) -> MemoryEstimate
         # self-attention (window keys) + causal cross-attention (T/2 keys on average).
         g = m.heads // m.kv_heads
         keys = min(T, s.sliding_window) + T / 2
-        est.phase_b.append(("SDPA mask bias", B * g * T * keys * p / SP))   # nh/SP heads of all T
+        est.phase_b.append(("SDPA mask bias", B * g * T * keys * p))   # all T under SP too
     est.phase_b.append(("target K/V + final hidden", kv_kept + tokens * H * p))
     # Linear CE: fp32 hidden copy + its gradient (N, H), and a chunk of fp32 logits with softmax
     # and gradient (chunk, V) x 3.
