@@ -98,3 +98,30 @@ def test_ds_config_counts_data_parallel_ranks_and_turns_zero3_reduce_scatter_off
         dsconfig.build_ds_config(conf, world_size=6, total_steps=10, warmup_steps=1, on_cpu=False)
     plain, _ = dsconfig.build_ds_config(base_conf(), world_size=8, total_steps=10, warmup_steps=1, on_cpu=False)
     assert "sequence_parallel_size" not in plain                           # SP 1: DeepSpeed's config as before
+
+
+@pytest.mark.slow
+def test_the_trainer_at_sp2_on_two_ranks_trains_like_sp1_on_one(tmp_path):
+    """The loop's part (sampler and seeds by data-parallel rank, loss averaging, the engine's mpu):
+    the tiny long stage (ZeRO-3 + offload, CPU Adam), 3 steps, SP 2 on 2 ranks against 1 rank."""
+    import torch
+
+    from longspec.tiny import build_tiny
+    from tests.trainer.test_train import launch, show, write_project
+
+    tiny = build_tiny(tmp_path / "tiny", family="qwen2")
+    conf = write_project(tmp_path / "proj", tiny)
+    runs = {}
+    for name, ranks, extra in (("sp1", 1, []), ("sp2", 2, ["sequence_parallel_size=2"])):
+        out = tmp_path / "proj" / "runs" / name
+        proc = launch(conf, "long", ranks, "max_steps=3", "save_steps=3", "eval_steps=0", f"output_dir={out}", *extra)
+        assert proc.returncode == 0, show(proc)
+        steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+        runs[name] = (proc, steps, torch.load(out / "draft_model_weights.pth"), (out / "training_config.yaml").read_text())
+    (_, one, w1, _), (proc, two, w2, resolved) = runs["sp1"], runs["sp2"]
+    assert [s["step"] for s in one] == [s["step"] for s in two] == [1, 2, 3]
+    for a, b in zip(one, two):
+        assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["llm_loss"] - b["llm_loss"]) < 1e-5, (a, b)
+    assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-6
+    assert "sequence_parallel_size: 2" in resolved and "reduce_scatter: false" in resolved
+    assert "(sequence parallel 2: 1 data-parallel)" in proc.stdout
