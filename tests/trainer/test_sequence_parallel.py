@@ -125,3 +125,19 @@ def test_the_trainer_at_sp2_on_two_ranks_trains_like_sp1_on_one(tmp_path):
     assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-6
     assert "sequence_parallel_size: 2" in resolved and "reduce_scatter: false" in resolved
     assert "(sequence parallel 2: 1 data-parallel)" in proc.stdout
+
+
+def test_preflight_refuses_head_counts_sp_cannot_split_before_any_weight_loads(monkeypatch):
+    from transformers import Qwen2Config
+
+    from longspec.training.entry import TrainError
+    from longspec.training.preflight import check_sequence_parallel
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    qwen7b = Qwen2Config(num_attention_heads=28, num_key_value_heads=4, hidden_size=3584)
+    check_sequence_parallel({"sequence_parallel_size": 4}, qwen7b)
+    with pytest.raises(TrainError, match="largest SP that works is 4"):
+        check_sequence_parallel({"sequence_parallel_size": 8}, qwen7b)
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    with pytest.raises(TrainError, match="does not divide the 6 ranks"):
+        check_sequence_parallel({"sequence_parallel_size": 4}, qwen7b)
