@@ -85,6 +85,35 @@ def control(target: str, vocab: int, rank: int):
     return total.item(), grads
 
 
+def attention_alone(rank: int) -> dict:
+    """seqpar.attention against kernels.attention on the whole sequence, for the key-value head
+    counts Ulysses splits (2 over SP 2) and replicates (1, as MQA): outputs and q/k/v gradients of
+    this rank's chunk, with a window, a lag and right padding crossing the chunk boundary."""
+    from longspec.model import kernels
+
+    sp = seqpar.SeqParallel(dist.group.WORLD, rank, 2)
+    worst = {}
+    for kvh in (2, 1):
+        g = torch.Generator().manual_seed(7 + kvh)
+        q, k, v = (torch.randn(2, n, 40, 16, generator=g) for n in (4, kvh, kvh))
+        mask = torch.ones(2, 40, dtype=torch.long)
+        mask[1, 17:] = 0                                      # padding from inside rank 0's chunk on
+        for kw in ({"window": 5}, {"lag": 3}):
+            full = [t.clone().requires_grad_() for t in (q, k, v)]
+            ref = kernels.attention(*full, causal=True, key_padding_mask=mask, **kw)   # (B, nh, T, hd)
+            ref.pow(2).sum().backward()                       # the whole sequence's loss: both chunks'
+            ref_out = ref.detach().transpose(1, 2).reshape(2, 40, -1)[:, rank * 20:(rank + 1) * 20]
+            part = [t[:, :, rank * 20:(rank + 1) * 20].clone().requires_grad_() for t in (q, k, v)]
+            out = seqpar.attention(sp, torch.nn.Module(), *part, torch.arange(rank * 20, rank * 20 + 20)[None].expand(2, 20),
+                                   key_padding_mask=mask, **kw)
+            out.pow(2).sum().backward()
+            diffs = [float((out - ref_out).abs().max())]
+            for a, b in zip(full, part):                      # grads reach every chunk through the all-to-all
+                diffs.append(float((a.grad[:, :, rank * 20:(rank + 1) * 20] - b.grad).abs().max()))
+            worst[f"kv{kvh}_{'window' if 'window' in kw else 'lag'}"] = max(diffs)
+    return worst
+
+
 def sequence_parallel(target: str, vocab: int):
     model = fresh(target)
     mpu, sp = seqpar.register_target(model.target.model, 2, B)
@@ -126,6 +155,7 @@ def main() -> None:
     vocab = AutoConfig.from_pretrained(target).vocab_size
     ref_losses, ref_grads, ref_weights = reference(target, vocab)   # before Ulysses hooks transformers
     ctl_loss, ctl_grads = control(target, vocab, rank)
+    alone = attention_alone(rank)
     losses, grads, weights, ds, notes, engine = sequence_parallel(target, vocab)
     report = {
         "steps": STEPS,
@@ -141,6 +171,7 @@ def main() -> None:
         "ds_sequence_parallel_size": ds.get("sequence_parallel_size"),
         "notes": notes,
         "engine_sp": engine.sequence_parallel_size,
+        "attention_alone": alone,
     }
     gathered = [None, None]
     dist.all_gather_object(gathered, report)

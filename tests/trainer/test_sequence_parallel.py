@@ -73,6 +73,10 @@ def test_sp2_matches_sp1_loss_gradients_and_weights_at_every_step(sp_report):
         # After 3 SGD steps (lr 0.5): a weight moves by ~8e-3, the two runs by round-off only.
         assert r["weight_diff"] < 1e-6 and r["weight_change"] > 1e-3, r
     assert sp_report[0]["sp_losses"] == sp_report[1]["sp_losses"]
+    # The draft's attention alone: 2 key-value heads split, 1 replicated (MQA); window and lag.
+    for r in sp_report:
+        assert set(r["attention_alone"]) == {"kv2_window", "kv2_lag", "kv1_window", "kv1_lag"}
+        assert max(r["attention_alone"].values()) < 1e-5, r["attention_alone"]
 
 
 @pytest.mark.slow
