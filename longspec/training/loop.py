@@ -101,20 +101,20 @@ class Session:
         if self.world % self.sp:
             raise TrainError(f"sequence_parallel_size = {self.sp} does not divide the {self.world} ranks")
         self.dp_rank, self.dp_world = self.rank // self.sp, self.world // self.sp
-
         tau_conf = conf
         if self.sp > 1 and conf["eval_steps"]:
-            # The Ulysses hook shards every transformers attention of the process, the target's
-            # decoding in the tau measurement too: measure the finished stage with `longspec eval`.
+            # The Ulysses hook shards every transformers attention of the process (decoding too).
             tau_conf = {**conf, "eval_steps": 0}
             print0(f"[{conf['stage']}] note: sequence_parallel_size = {self.sp}: no simulated tau while "
                    "training (eval_steps ignored); run `longspec eval` on the stage")
-        self.simtau = simtau.SimTau(tau_conf, self.pre.dataset, self.out, self.rank, self.world, resume_from is not None)
+        self.simtau = simtau.SimTau(tau_conf, self.pre.dataset, self.out, self.rank, self.world,
+                                    resume_from is not None)
         self.dataset, self.pad_id = self.simtau.train_part, self.pre.tokenizer.pad_token_id
         self.per_epoch = len(self._loader(epoch=0, skip=0))
         if self.per_epoch == 0:
             raise TrainError(f"train_file = {conf['train_file']}: no batch of "
-                             f"{conf['per_gpu_train_batch_size']} records per rank over {self.dp_world} data-parallel ranks")
+                             f"{conf['per_gpu_train_batch_size']} records per rank over {self.dp_world} "
+                             "data-parallel ranks")
         self.total, warmup = dsconfig.plan_steps(conf, self.per_epoch)
 
         adam_error = cpu_adam_error(accel) if wants_offload(conf) else None

@@ -145,7 +145,7 @@ class MemoryEstimate:
         head = (f"per-GPU memory estimate: {gib(self.peak)} peak ({self.peak_phase}); {s.precision}, "
                 f"ZeRO-{s.zero_stage}{' + optimizer offload' if s.offload_optimizer else ''}, "
                 f"{s.seq_len} tokens x {s.micro_batch}, world {s.world_size}, "
-                f"{f'sequence parallel {s.sequence_parallel} ({s.seq_len // s.sequence_parallel} tokens per GPU), ' if s.sequence_parallel > 1 else ''}"
+                f"{_sp_text(s)}"
                 f"{'flash-attn' if s.flash else 'SDPA'}")
         out = [head]
         for title, items in (("persistent", self.persistent), ("target forward", self.phase_a),
@@ -155,6 +155,11 @@ class MemoryEstimate:
         if self.cpu_offload_per_node:
             out.append(f"  CPU RAM (offloaded optimizer, per node): {gib(self.cpu_offload_per_node)}")
         return out
+
+
+def _sp_text(s: StageShape) -> str:
+    sp = s.sequence_parallel
+    return f"sequence parallel {sp} ({s.seq_len // sp} tokens per GPU), " if sp > 1 else ""
 
 
 def gib(b: float) -> str:

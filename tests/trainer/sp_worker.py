@@ -9,7 +9,6 @@ longspec.training.dsconfig (reduce_scatter forced off). Rank 0 writes the larges
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 import sys
