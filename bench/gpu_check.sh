@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# First checks on a CUDA machine, in at most ~8 minutes on one H200; writes one JSON.
+# First checks on a CUDA machine, in at most ~10.5 minutes on one H200; writes one JSON.
 #
 #   bench/gpu_check.sh [OUT.json]          # default: gpu_check.json in the repository root
 #   PYTHON=/path/to/python bench/gpu_check.sh out.json
@@ -12,6 +12,9 @@
 #    (the same test bodies run on every CPU under the strict stand-ins of tests/standins)
 # 3. measures a GLIDE training step at 8k and 32k tokens on a Qwen2.5-7B-shaped target (random
 #    weights): tokens/s and peak memory next to the preflight's memory estimate
+# 4. sequence parallelism (bench/bench_sp.py): one GLIDE step at 32k tokens, SP 1 on one rank vs
+#    SP 2 on two ranks sharing the GPU (gloo): peak memory per rank, the loss of both, and the
+#    preflight's estimates for 8B / 32B targets at 64k and 128k
 set -uo pipefail
 
 DRY=0
@@ -75,11 +78,23 @@ else
 fi
 step_rc=$?
 
+# ---- 4. sequence parallel: SP 1 vs SP 2 (at most 2.5 minutes)
+say "sequence parallel SP 1 vs SP 2"
+if [[ $DRY == 1 ]]; then
+  timeout 150 "$PY" bench/bench_sp.py --device cpu --dims small --layers 1 --seq 64 --steps 1 --warmup 0 \
+      --out "$WORK/sp.json" >"$WORK/sp.log" 2>&1
+else
+  timeout 150 "$PY" bench/bench_sp.py --device cuda --dims qwen7b --layers 4 --seq 32768 --steps 2 --timeout 70 \
+      --out "$WORK/sp.json" >"$WORK/sp.log" 2>&1
+fi
+sp_rc=$?
+tail -n 3 "$WORK/sp.log"
+
 # ---- one JSON
-"$PY" - "$OUT" "$WORK" "$install_status" "$tests_rc" "$step_rc" "$(( $(date +%s) - t_start ))" <<'PYEOF'
+"$PY" - "$OUT" "$WORK" "$install_status" "$tests_rc" "$step_rc" "$(( $(date +%s) - t_start ))" "$sp_rc" <<'PYEOF'
 import json, sys
 from pathlib import Path
-out, work, install, tests_rc, step_rc, wall = sys.argv[1:]
+out, work, install, tests_rc, step_rc, wall, sp_rc = sys.argv[1:]
 work = Path(work)
 def load(name):
     p = work / name
@@ -88,9 +103,10 @@ def load(name):
     except Exception as e:
         return {"error": f"{name} missing or unreadable ({e})"}
 report = {"gpu_extra": install, "tests": {"rc": int(tests_rc), **load("tests.json")},
-          "step": {"rc": int(step_rc), **load("step.json")}, "wall_s": int(wall)}
+          "step": {"rc": int(step_rc), **load("step.json")},
+          "sequence_parallel": {"rc": int(sp_rc), **load("sp.json")}, "wall_s": int(wall)}
 Path(out).write_text(json.dumps(report, indent=2) + "\n")
 print(f"wrote {out}")
 PYEOF
 say "done"
-[[ $tests_rc == 0 && $step_rc == 0 ]]
+[[ $tests_rc == 0 && $step_rc == 0 && $sp_rc == 0 ]]

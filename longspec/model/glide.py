@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from longspec.model import kernels
+from longspec.model import kernels, seqpar
 from longspec.model.families import get_family, rope_params as _rope_params
 from longspec.model.target import TargetWrapper, load_target, next_token_loss
 from longspec.model.zero import announce_zero3, gathered, gathered_for_update, zero3_dtype
@@ -204,6 +204,7 @@ class GlideDraft(nn.Module):
         attention_mask: torch.Tensor | None = None,   # (B, T) 1 = real token
         *,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        sp: seqpar.SeqParallel | None = None,    # sequence parallel: T is this rank's chunk, the mask global
     ) -> torch.Tensor:
         cfg = self.config
         cos, sin = rope if rope is not None else self.rotary(position_ids, hidden.dtype)
@@ -214,19 +215,26 @@ class GlideDraft(nn.Module):
         q = apply_rope(sa.heads(sa.q_proj, x), cos, sin)            # (B, nh, T, hd)
         k = apply_rope(sa.heads(sa.k_proj, x), cos, sin)            # (B, kvh, T, hd)
         v = sa.heads(sa.v_proj, x)                                   # (B, kvh, T, hd)
-        y = kernels.attention(q, k, v, causal=True, window=cfg.sliding_window, key_padding_mask=attention_mask)
-        hidden = hidden + sa.out(y)
+        hidden = hidden + self._attend(sa, q, k, v, position_ids, sp, window=cfg.sliding_window,
+                                       key_padding_mask=attention_mask)
 
         # cross-attention: queries from the draft, keys/values from the target (already RoPE'd)
         x = self.post_self_attention_layernorm(hidden)
         ca = self.cross_attn
         q = apply_rope(ca.heads(ca.q_proj, x), cos, sin)            # (B, nh, T, hd)
-        y = kernels.attention(q, target_k, target_v, causal=True, lag=cross_lag, key_padding_mask=attention_mask)
-        hidden = hidden + ca.out(y)
+        hidden = hidden + self._attend(ca, q, target_k, target_v, position_ids, sp, lag=cross_lag,
+                                       key_padding_mask=attention_mask)
 
         # SwiGLU MLP
         x = self.post_cross_attention_layernorm(hidden)
         return hidden + self.mlp(x)                                  # (B, T, H)
+
+    @staticmethod
+    def _attend(attn: GlideAttention, q, k, v, position_ids, sp, **kw) -> torch.Tensor:
+        """Causal attention then o_proj -> (B, T, H); under SP over the whole sequence (seqpar)."""
+        if sp is None:
+            return attn.out(kernels.attention(q, k, v, causal=True, **kw))
+        return attn.o_proj(seqpar.attention(sp, attn, q, k, v, position_ids, **kw))
 
 
 # ----------------------------------------------------------------------------- training model
@@ -239,6 +247,7 @@ class GlideModel(nn.Module):
         self.target = target if isinstance(target, TargetWrapper) else TargetWrapper(target)
         self.draft = draft
         self.loss_chunk_size = loss_chunk_size
+        self.sp: seqpar.SeqParallel | None = None      # set by the trainer at sequence_parallel_size > 1
         tcfg = DraftConfig.from_target_config(self.target.config, draft.config.sliding_window)
         for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
             if getattr(tcfg, name) != getattr(draft.config, name):
@@ -251,6 +260,8 @@ class GlideModel(nn.Module):
         B, T = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        if self.sp is not None:
+            return self._forward_sp(input_ids, labels, position_ids, cross_lag, attention_mask)
         tgt = self.target(input_ids, position_ids, attention_mask=attention_mask)
         hidden = self.target.embed(input_ids)                        # (B, T, H) frozen embeddings
         draft_dtype = self.draft.input_layernorm.weight.dtype
@@ -264,6 +275,25 @@ class GlideModel(nn.Module):
             with torch.no_grad():
                 llm_loss = next_token_loss(tgt.last_hidden, w, labels, attention_mask, self.loss_chunk_size)
             loss = next_token_loss(h, w, labels, attention_mask, self.loss_chunk_size)
+        return {"loss": loss, "llm_loss": llm_loss}
+
+    def _forward_sp(self, input_ids, labels, position_ids, cross_lag, attention_mask) -> dict:
+        """Sequence parallel: every rank of the group gets the same full batch (B, T) and runs its
+        chunk; the losses are this rank's shares of the group's means (seqpar.local_share)."""
+        sp = self.sp
+        sh = seqpar.prepare(input_ids, labels, position_ids, attention_mask, sp.size, sp.rank, sp.rows)
+        # No mask for the target: Ulysses drops it (causal attention; right padding never reaches
+        # a real token) and a local 4D mask would only cost memory.
+        tgt = self.target(sh.input_ids, sh.position_ids)             # K/V (B, kvh, Tl, hd)
+        draft_dtype = self.draft.input_layernorm.weight.dtype
+        hidden = self.target.embed(sh.input_ids).to(draft_dtype)     # (B, Tl, H)
+        rope = self.target.rotary(sh.position_ids, hidden)
+        h = self.draft(hidden, sh.position_ids, tgt.k, tgt.v, cross_lag=cross_lag,
+                       attention_mask=sh.key_mask, rope=rope, sp=sp)  # (B, Tl, H)
+        with gathered(self.target.lm_head.weight) as w:
+            with torch.no_grad():
+                llm_loss = seqpar.local_share(tgt.last_hidden, w, sh.labels, sp, self.loss_chunk_size)
+            loss = seqpar.local_share(h, w, sh.labels, sp, self.loss_chunk_size)
         return {"loss": loss, "llm_loss": llm_loss}
 
 

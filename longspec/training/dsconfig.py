@@ -104,17 +104,24 @@ def build_ds_config(
     problems: list[str] = []
     notes: list[str] = []
     per_gpu, ga = conf["per_gpu_train_batch_size"], conf["gradient_accumulation_steps"]
+    sp = int(conf.get("sequence_parallel_size") or 1)
+    if world_size % sp:
+        problems.append(f"sequence_parallel_size = {sp} does not divide the world size {world_size}")
+        sp = 1
+    # The ranks of one sequence-parallel group share each sequence: the batch counts data-parallel ranks.
+    data_parallel = world_size // sp
+    where = "world size" if sp == 1 else f"data-parallel ranks ({world_size} / SP {sp})"
 
-    global_batch = per_gpu * ga * world_size
+    global_batch = per_gpu * ga * data_parallel
     if conf.get("global_batch_size") not in (None, global_batch):
         problems.append(
             f"global_batch_size = {conf['global_batch_size']} but per_gpu_train_batch_size x "
-            f"gradient_accumulation_steps x world size = {per_gpu} x {ga} x {world_size} = {global_batch} "
+            f"gradient_accumulation_steps x {where} = {per_gpu} x {ga} x {data_parallel} = {global_batch} "
             "(set global_batch_size to that, or null)")
 
     _pin(ds, ("train_micro_batch_size_per_gpu",), per_gpu, "per_gpu_train_batch_size", problems)
     _pin(ds, ("gradient_accumulation_steps",), ga, "gradient_accumulation_steps", problems)
-    _pin(ds, ("train_batch_size",), global_batch, "per_gpu x accumulation x world size", problems)
+    _pin(ds, ("train_batch_size",), global_batch, f"per_gpu x accumulation x {where}", problems)
     _pin(ds, ("gradient_clipping",), conf["max_grad_norm"], "max_grad_norm", problems)
 
     opt = ds.setdefault("optimizer", {}) or {}
@@ -132,11 +139,26 @@ def build_ds_config(
     _scheduler(ds, conf, total_steps, warmup_steps, problems)
     _precision(ds, conf["precision"], on_cpu, problems)
     _zero(ds, on_cpu, cpu_adam_error, problems, notes)
+    if sp > 1:
+        _sequence_parallel(ds, sp, problems, notes)
     ds.setdefault("steps_per_print", 1_000_000_000)   # the trainer prints its own progress line
     ds.setdefault("wall_clock_breakdown", False)
     if problems:
         raise ConfigError(problems)
     return ds, notes
+
+
+def _sequence_parallel(ds: dict, sp: int, problems: list[str], notes: list[str]) -> None:
+    """SP > 1: DeepSpeed is told the SP size (its batch arithmetic and zero.Init count data-parallel
+    ranks), and ZeRO-3 reduces gradients without reduce_scatter: DeepSpeed 0.19's reduce_scatter
+    path averages over the SP ranks where every other path sums, which would scale the gradient by
+    1/SP (tests/trainer/test_sequence_parallel.py)."""
+    _pin(ds, ("sequence_parallel_size",), sp, "sequence_parallel_size", problems)
+    zero = ds["zero_optimization"]
+    if zero.get("stage") == 3 and zero.get("reduce_scatter") is not False:
+        zero["reduce_scatter"] = False
+        notes.append(f"sequence_parallel_size = {sp} with ZeRO-3: zero_optimization.reduce_scatter = false "
+                     "(DeepSpeed's reduce_scatter averages the gradient over the SP ranks instead of summing)")
 
 
 def _pin(ds: dict, path: tuple[str, ...], want: Any, source: str, problems: list[str]) -> None:

@@ -95,13 +95,26 @@ class Session:
         deepspeed.init_distributed(dist_backend=accel.communication_backend_name())
         self.dist_ready = True
         self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-
-        self.simtau = simtau.SimTau(conf, self.pre.dataset, self.out, self.rank, self.world, resume_from is not None)
+        # Sequence parallel: the SP ranks of a group (contiguous, as DeepSpeed builds them) share
+        # every batch, so data, seeds and the loss average count data-parallel ranks.
+        self.sp = int(conf.get("sequence_parallel_size") or 1)
+        if self.world % self.sp:
+            raise TrainError(f"sequence_parallel_size = {self.sp} does not divide the {self.world} ranks")
+        self.dp_rank, self.dp_world = self.rank // self.sp, self.world // self.sp
+        tau_conf = conf
+        if self.sp > 1 and conf["eval_steps"]:
+            # The Ulysses hook shards every transformers attention of the process (decoding too).
+            tau_conf = {**conf, "eval_steps": 0}
+            print0(f"[{conf['stage']}] note: sequence_parallel_size = {self.sp}: no simulated tau while "
+                   "training (eval_steps ignored); run `longspec eval` on the stage")
+        self.simtau = simtau.SimTau(tau_conf, self.pre.dataset, self.out, self.rank, self.world,
+                                    resume_from is not None)
         self.dataset, self.pad_id = self.simtau.train_part, self.pre.tokenizer.pad_token_id
         self.per_epoch = len(self._loader(epoch=0, skip=0))
         if self.per_epoch == 0:
             raise TrainError(f"train_file = {conf['train_file']}: no batch of "
-                             f"{conf['per_gpu_train_batch_size']} records per rank over {self.world} ranks")
+                             f"{conf['per_gpu_train_batch_size']} records per rank over {self.dp_world} "
+                             "data-parallel ranks")
         self.total, warmup = dsconfig.plan_steps(conf, self.per_epoch)
 
         adam_error = cpu_adam_error(accel) if wants_offload(conf) else None
@@ -131,7 +144,8 @@ class Session:
             self.out.event("start", 0, total_steps=self.total, world_size=self.world,
                            config_sha256=self.origin.config_sha256, kernels=self.backends)
         self.max_offset = self._max_offset()
-        print0(f"[{conf['stage']}] {self.total} steps, {self.world} rank(s) x "
+        sp_note = f" (sequence parallel {self.sp}: {self.dp_world} data-parallel)" if self.sp > 1 else ""
+        print0(f"[{conf['stage']}] {self.total} steps, {self.world} rank(s){sp_note} x "
                f"{conf['per_gpu_train_batch_size']} x {conf['gradient_accumulation_steps']} accumulation, "
                f"ZeRO-{ds_conf['zero_optimization']['stage']}, {conf['precision']}, optimizer "
                f"{type(getattr(self.engine, 'basic_optimizer', None)).__name__}, {self.per_epoch} "
@@ -163,7 +177,7 @@ class Session:
         from longspec.data import encoding
 
         return encoding.make_loader(self.dataset, self.conf["per_gpu_train_batch_size"],
-                                seed=self.conf["seed"], rank=self.rank, world_size=self.world,
+                                seed=self.conf["seed"], rank=self.dp_rank, world_size=self.dp_world,
                                 pad_token_id=self.pad_id, skip_batches=skip, epoch=epoch)
 
     def _engine(self, ds_conf: dict):
@@ -189,8 +203,17 @@ class Session:
         if self.pre.draft_state is not None:
             load_draft_weights(model.draft, self.pre.draft_state)
             self.pre.draft_state = None
+        extra = {}
+        if self.sp > 1:
+            from longspec.model import seqpar
+
+            try:
+                extra["mpu"], model.sp = seqpar.register_target(model.target.model, self.sp,
+                                                                conf["per_gpu_train_batch_size"])
+            except ValueError as e:                      # head counts, or an eager target
+                raise TrainError(f"sequence_parallel_size = {self.sp}: {e}") from None
         engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=model.trainable_parameters(), config=ds_conf)
+            model=model, model_parameters=model.trainable_parameters(), config=ds_conf, **extra)
         return engine
 
     def _resume(self, ckpt) -> None:
@@ -231,7 +254,7 @@ class Session:
         p = self.conf["positions"]
         if p["mode"] == "plain":
             return plain_position_ids(seq, batch)
-        gen = seeded(self.conf["seed"], self.step, micro, self.rank)
+        gen = seeded(self.conf["seed"], self.step, micro, self.dp_rank)   # alike across an SP group
         return anchor_offset_position_ids(seq, batch, anchors=p["anchors"], max_offset=self.max_offset,
                                           threshold=p["threshold"], generator=gen)
 
@@ -257,7 +280,7 @@ class Session:
                 mask = batch.get("attention_mask")
                 pos = self.positions(ids.shape[0], ids.shape[1], micro)
                 # one lag per forward (and per rank), as the reference draws it inside the model
-                lag = sample_cross_lag(conf["cross_attn_lag"], seeded(conf["seed"], self.step, micro, self.rank, -1))
+                lag = sample_cross_lag(conf["cross_attn_lag"], seeded(conf["seed"], self.step, micro, self.dp_rank, -1))
                 result = engine(input_ids=ids.to(device), labels=batch["labels"].to(device),
                                 position_ids=pos.to(device), cross_lag=lag,
                                 attention_mask=None if mask is None else mask.to(device))
@@ -265,12 +288,13 @@ class Session:
                 engine.step()
                 sums[0] += result["loss"].detach().float().item()
                 sums[1] += result["llm_loss"].detach().float().item()
-                sums[2] += float(mask.sum()) if mask is not None else ids.numel()
+                sums[2] += (float(mask.sum()) if mask is not None else ids.numel()) / self.sp
             self.step += 1
             progress["step"] = self.step
             sums[3] = 1.0 if WATCH.requested.is_set() else 0.0   # every rank stops at the same step
             torch.distributed.all_reduce(sums)
-            loss, llm_loss = sums[0].item() / (ga * self.world), sums[1].item() / (ga * self.world)
+            # Under SP each rank's loss is its share of its group's mean: the shares add up.
+            loss, llm_loss = sums[0].item() / (ga * self.dp_world), sums[1].item() / (ga * self.dp_world)
             self.last_loss = loss
             tokens_log += sums[2].item()
             if self.step % conf["logging_steps"] == 0 or self.step == self.total:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from longspec.training import runwriter
-from longspec.training.rank import print0, rank
+from longspec.training.rank import print0, rank, world_size
 from longspec.training.entry import TrainError
 from longspec_cli.core import runfolder
 from longspec_cli.core.datafiles import names_data
@@ -68,6 +68,7 @@ def preflight(conf: dict[str, Any]) -> Preflight:
     if not (target / "config.json").is_file():
         raise TrainError(f"model_name_or_path = {target}: not a Hugging Face model folder (no config.json)")
     tcfg = target_config(target)
+    check_sequence_parallel(conf, tcfg)
     train_file = Path(conf["train_file"])
     if not names_data(train_file):
         raise TrainError(f"train_file = {train_file}: file not found")
@@ -88,6 +89,22 @@ def preflight(conf: dict[str, Any]) -> Preflight:
         print0(f"[{conf['stage']}] skipped {dataset.skipped} bad records of {train_file}; first: "
                f"{(getattr(dataset, 'problems', None) or ['?'])[0]}")
     return Preflight(tcfg, tokenizer, dataset, draft_state, draft_sha)
+
+
+def check_sequence_parallel(conf: dict[str, Any], tcfg) -> None:
+    """sequence_parallel_size against the world and the target's (so the draft's) head counts:
+    validate's rule (longspec_cli.core.checks.seqpar), here before any weight loads. The length
+    is not checked: the trainer pads a batch to a multiple of SP."""
+    sp = int(conf.get("sequence_parallel_size") or 1)
+    if sp <= 1:
+        return
+    from longspec_cli.core.checks.seqpar import sp_problems
+
+    text = tcfg.get_text_config() if hasattr(tcfg, "get_text_config") else tcfg
+    heads = getattr(text, "num_attention_heads", None)
+    problems = sp_problems(sp, world_size(), heads, getattr(text, "num_key_value_heads", None) or heads, None)
+    if problems:
+        raise TrainError("; ".join(problems))
 
 
 def prepared_dataset(conf: dict[str, Any], train_file: Path, tokenizer):

@@ -21,7 +21,7 @@ NON_MATH_KEYS = (
     "stage", "output_dir", "force", "resume_schedule",                  # names and instructions
     "save_steps", "save_total_limit",                                   # saving
     "logging_steps", "logging",                                         # logging, tracking
-    "kernels", "loss_chunk_size",                                       # how it is computed, not what
+    "kernels", "loss_chunk_size", "sequence_parallel_size",             # how it is computed, not what
     "ds_cfg.steps_per_print", "ds_cfg.wall_clock_breakdown",            # DeepSpeed's own logging
     "ds_cfg.tensorboard", "ds_cfg.wandb", "ds_cfg.csv_monitor", "ds_cfg.flops_profiler",
     "eval", "hydra",

@@ -100,7 +100,7 @@ class _Raw(str):
 
 # Placeholders inside comments: inserted as plain text, never quoted.
 _TEXT_KEYS = {"title", "data_hint", "run_command", "run_command_cli", "project_dir", "world_size",
-              "notes", "msl_note", "target_note", "reference", "variant"}
+              "notes", "msl_note", "target_note", "reference", "variant", "sequence_parallel_line"}
 # positions.threshold in templates/exp/stage.yaml: only sequences up to this long get an offset.
 OFFSET_THRESHOLD = 1200
 # Collators whose records include chats (rendered with the target's chat template).
@@ -198,13 +198,18 @@ def _plan(a: InitAnswers) -> tuple[dict[Path, str], list[str]]:
         data = a.data.get(stage)
         if data is None and preset is not None and preset.local:
             data = str(local_data_file(root, stage))
+        sp = int(sd.get("sequence_parallel_size") or 1)      # a preset's long stage past 32k
+        dp = world // sp if world % sp == 0 else world       # validate names an SP that does not divide
         values = {
             **sd,
             **P.variant_values(a.variant, stage),
             "variant": a.variant,
             "stage": stage,
             "gpus": gpus,
-            "world_size": str(world),
+            "world_size": f"{world} GPUs" if sp == 1 else f"{dp} data-parallel ({world} GPUs / SP {sp})",
+            "sequence_parallel_line": "" if sp == 1 else (
+                f"\nsequence_parallel_size: {sp}  # GPUs sharing each sequence (DeepSpeed Ulysses): "
+                f"each holds {msl // sp} of its {msl} tokens"),
             "run_command": deepspeed_line(gpus, conf, stage, out_dir),
             "run_command_cli": shlex.join(["longspec", "run", str(root), stage]),
             "project_dir": str(root),
@@ -219,7 +224,7 @@ def _plan(a: InitAnswers) -> tuple[dict[Path, str], list[str]]:
             # offsets keep the shifted positions of an offset sequence inside the target's limit
             "max_offset": max(0, min(max_offset, context - min(msl, OFFSET_THRESHOLD))),
             "notes": _stage_notes(info, sd["collator"]),
-            "global_batch_size": sd["per_gpu_train_batch_size"] * sd["gradient_accumulation_steps"] * world,
+            "global_batch_size": sd["per_gpu_train_batch_size"] * sd["gradient_accumulation_steps"] * dp,
         }
         files[conf / "exp" / f"{stage}.yaml"] = render(stage_tpl, values)
         used_ds.add(sd["deepspeed"])

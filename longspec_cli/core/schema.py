@@ -178,6 +178,7 @@ LONGSPEC_SPEC: dict[str, Spec] = {
     "seed": _int(0),
     "loss_chunk_size": _pos_int(),
     "kernels": _enum("auto", "fused", "reference"),
+    "sequence_parallel_size": _pos_int(),
     "logging": Spec("map", children={"wandb": BOOL, "tensorboard": BOOL}),
     "ds_cfg": DS_SPEC,
 }

@@ -27,6 +27,7 @@ from longspec_cli.core.checks.stage import DUPLICATES, LONG_CONTEXT, REQUIRED  #
 from longspec_cli.core.checks.stage import (check_batch, check_duplicates, check_paths, check_precision,
                                             check_required, check_seq_len, check_types, check_unknown_keys,
                                             check_zero, global_batch, zero_stage)
+from longspec_cli.core.checks.seqpar import check_sequence_parallel
 from longspec_cli.core.checks.target import check_target_family
 from longspec_cli.core.composed import Composed
 from longspec_cli.core.hydracompose import compose_stage, stage_overrides
@@ -72,7 +73,7 @@ class Report:
 FILE_CHECKS: tuple[Callable[[Composed, str, Context], list[Problem]], ...] = (
     check_unknown_keys, check_types, check_required, check_paths, check_precision, check_duplicates,
     check_zero, check_batch, check_seq_len, check_checkpoint_chain, check_upstream_lineage,
-    check_target_family,
+    check_target_family, check_sequence_parallel,
 )
 
 

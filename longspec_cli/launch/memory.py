@@ -10,6 +10,12 @@
                 flash: none), the target's last-layer K/V and final hidden state, the loss chunk
     peak        persistent + max(phase A, phase B)
 
+Sequence parallel (`sequence_parallel_size` SP): each GPU holds T/SP tokens of every sequence (and,
+inside attention, all T tokens of nh/SP heads: the same size), so phases A and B divide by SP;
+the persistent part does not (ZeRO still partitions over the whole world), nor does the SDPA
+path's mask: one (g*T, keys) mask per call, shared by the KV heads, over the whole sequence
+(measured: bench/bench_sp.py on the CPU), so SP pays off with flash-attn.
+
 The layer shapes follow longspec/model/glide.py (self-attn + cross-attn with q/k/v biases, SwiGLU MLP,
 three RMSNorms; the cross-attn k/v projections are frozen) and longspec/model/kernels.py (SDPA chunked
 over queries with a boolean mask, linear cross-entropy in fp32 chunks of 1024 rows by default).
@@ -112,6 +118,7 @@ class StageShape:
     sliding_window: int = 512
     prefetch_params: int = 100_000_000  # stage3_prefetch_bucket_size
     cuda: bool = True  # False: a CPU run (no CUDA context; the estimate is informational)
+    sequence_parallel: int = 1  # SP ranks share each sequence (DeepSpeed Ulysses)
 
 
 @dataclass
@@ -138,6 +145,7 @@ class MemoryEstimate:
         head = (f"per-GPU memory estimate: {gib(self.peak)} peak ({self.peak_phase}); {s.precision}, "
                 f"ZeRO-{s.zero_stage}{' + optimizer offload' if s.offload_optimizer else ''}, "
                 f"{s.seq_len} tokens x {s.micro_batch}, world {s.world_size}, "
+                f"{_sp_text(s)}"
                 f"{'flash-attn' if s.flash else 'SDPA'}")
         out = [head]
         for title, items in (("persistent", self.persistent), ("target forward", self.phase_a),
@@ -149,6 +157,11 @@ class MemoryEstimate:
         return out
 
 
+def _sp_text(s: StageShape) -> str:
+    sp = s.sequence_parallel
+    return f"sequence parallel {sp} ({s.seq_len // sp} tokens per GPU), " if sp > 1 else ""
+
+
 def gib(b: float) -> str:
     return f"{b / GiB:.1f} GiB" if b >= 0.1 * GiB else f"{b / 1024 ** 2:.0f} MiB"
 
@@ -157,7 +170,8 @@ def estimate(s: StageShape, ranks_per_node: int | None = None) -> MemoryEstimate
     m, p = s.size, PRECISION_BYTES[s.precision]
     W = max(1, s.world_size)
     B, T, H, I, V = s.micro_batch, s.seq_len, m.hidden, m.intermediate, m.vocab
-    tokens = B * T
+    SP = max(1, s.sequence_parallel)
+    tokens = B * T / SP if SP > 1 else B * T        # this GPU's share of every sequence
     draft_all, draft_train = m.draft_params()
     z3 = s.zero_stage >= 3
     est = MemoryEstimate(shape=s, ranks_per_node=ranks_per_node or W)
@@ -200,7 +214,7 @@ def estimate(s: StageShape, ranks_per_node: int | None = None) -> MemoryEstimate
         # self-attention (window keys) + causal cross-attention (T/2 keys on average).
         g = m.heads // m.kv_heads
         keys = min(T, s.sliding_window) + T / 2
-        est.phase_b.append(("SDPA mask bias", B * g * T * keys * p))
+        est.phase_b.append(("SDPA mask bias", B * g * T * keys * p))   # all T under SP too
     est.phase_b.append(("target K/V + final hidden", kv_kept + tokens * H * p))
     # Linear CE: fp32 hidden copy + its gradient (N, H), and a chunk of fp32 logits with softmax
     # and gradient (chunk, V) x 3.
@@ -223,6 +237,24 @@ def fit_warning(est: MemoryEstimate, capacity_bytes: float | None, where: str, m
         tips.append("optimizer offload")
     if not s.flash:
         tips.append("flash-attn (pip install 'longspec[gpu]')")
+    sp = sequence_parallel_needed(est, capacity_bytes, margin)
+    if sp:
+        tips.append(f"sequence_parallel_size={sp} (each GPU holds {s.seq_len // sp} of the {s.seq_len} tokens)")
     tips.append("a shorter data.max_seq_length or per_gpu_train_batch_size")
     return (f"stage needs ~{gib(est.peak)} per GPU but {where} has {gib(capacity_bytes)}; "
             f"it will likely run out of memory. Try " + ", or ".join(tips) + ".")
+
+
+def sequence_parallel_needed(est: MemoryEstimate, capacity_bytes: float, margin: float = 0.95) -> int | None:
+    """The smallest SP above the stage's that fits: it divides the world, the head counts (query
+    heads by SP; key-value heads by SP or SP by them) and the sequence length. None: none does."""
+    from dataclasses import replace
+
+    s = est.shape
+    m = s.size
+    for sp in range(max(1, s.sequence_parallel) + 1, max(1, s.world_size) + 1):
+        if s.world_size % sp or s.seq_len % sp or m.heads % sp or (m.kv_heads % sp and sp % m.kv_heads):
+            continue
+        if estimate(replace(s, sequence_parallel=sp), est.ranks_per_node).peak <= margin * capacity_bytes:
+            return sp
+    return None

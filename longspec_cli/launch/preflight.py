@@ -129,6 +129,7 @@ def stage_shape(manifest: Manifest, spec: StageSpec, overrides: list[str], res: 
         world_size=res.world_size, flash=flash, loss_chunk=get(data, "loss_chunk_size", 0) or M.DEFAULT_CE_CHUNK,
         sliding_window=get(data.get("draft"), "sliding_window", 512),
         prefetch_params=_count(zero.get("stage3_prefetch_bucket_size"), 100_000_000), cuda=not res.cpu,
+        sequence_parallel=max(1, get(data, "sequence_parallel_size", 1)),
     )
 
 

@@ -4,4 +4,5 @@
     stage.py     one composed stage file: keys, types, paths, precision, ZeRO, batch, length
     project.py   the chain, lineage forks, the manifest's run folders, multi-node paths
     target.py    the target's family: a draft can be built for it, or the one refusal sentence
+    seqpar.py    sequence_parallel_size: world, the target's and draft's head counts, sequence length
 """

@@ -300,9 +300,17 @@ def _int_or_none(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
+def _data_parallel(c: Composed, ctx: Context) -> tuple[int, str]:
+    """(data-parallel ranks, how they are counted): the SP ranks of a group share each sequence."""
+    sp = _int_or_none(c.get("sequence_parallel_size")) or 1
+    if sp > 1 and ctx.world % sp == 0:
+        return ctx.world // sp, f"{ctx.world // sp} data-parallel ({ctx.world} GPUs ({ctx.world_from}) / SP {sp})"
+    return ctx.world, f"{ctx.world} GPUs ({ctx.world_from})"
+
+
 def global_batch(c: Composed, ctx: Context) -> int | None:
     pg, ga = _int_or_none(c.get("per_gpu_train_batch_size")), _int_or_none(c.get("gradient_accumulation_steps"))
-    return pg * ga * ctx.world if pg and ga else None
+    return pg * ga * _data_parallel(c, ctx)[0] if pg and ga else None
 
 
 def check_batch(c: Composed, d: str, ctx: Context) -> list[Problem]:
@@ -310,13 +318,14 @@ def check_batch(c: Composed, d: str, ctx: Context) -> list[Problem]:
     if total is None:
         return []
     pg, ga = c.get("per_gpu_train_batch_size"), c.get("gradient_accumulation_steps")
-    formula = f"{pg} per GPU x {ga} accumulation x {ctx.world} GPUs ({ctx.world_from})"
+    dp, counted = _data_parallel(c, ctx)
+    formula = f"{pg} per GPU x {ga} accumulation x {counted}"
     at = "global_batch_size" if c.has("global_batch_size") else "per_gpu_train_batch_size"
     out = [c.problem("info", "global_batch_size", f"global batch = {formula} = {total}", at=at)]
     want = _int_or_none(c.get("global_batch_size"))
     if want is not None and want != total:
         hint = (f"set global_batch_size: {total}, or change gradient_accumulation_steps to "
-                f"{want // (pg * ctx.world)}" if want % (pg * ctx.world) == 0 else f"set global_batch_size: {total}")
+                f"{want // (pg * dp)}" if want % (pg * dp) == 0 else f"set global_batch_size: {total}")
         out.append(c.problem("error", "global_batch_size",
                              f"global_batch_size is {want} but {formula} = {total}", hint))
     return out

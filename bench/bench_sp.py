@@ -1,0 +1,214 @@
+"""Sequence parallelism: peak memory per rank and step time at SP 1 and SP 2, and the preflight's
+estimate for 8B and 32B targets past 32k.
+
+    python bench/bench_sp.py --out sp.json                       # CPU: SP 1 vs 2 at 4k and 16k tokens
+    python bench/bench_sp.py --out sp.json --seq 65536 --device cuda --dims qwen7b   # a GPU (gpu_check.sh)
+    python bench/bench_sp.py --estimate-only --out est.json      # the table only (no torch)
+
+Measured part: one GLIDE training step (the frozen target's forward, the draft's forward and
+backward, both losses; no optimizer) on a random-weight Qwen2-shaped target, launched with
+torchrun on 1 rank (SP 1, the whole sequence) and on 2 ranks (SP 2, half each, DeepSpeed's
+Ulysses hook, longspec.model.seqpar). Peak memory per rank: on CUDA torch.cuda.max_memory_allocated,
+on the CPU the peak RSS (getrusage) above the RSS before the first step, both the largest over
+the ranks. Step time: the median of --steps timed steps. On one GPU both SP 2 ranks share it
+(gloo, whose all-to-all copies through host memory): the memory figure holds, the time does not.
+On the CPU the draft's attention takes the reference path (chunked SDPA with a boolean mask of
+g x T x keys per call, saved as floats for backward): that mask covers the whole sequence on every
+SP rank, so SP 2 does not lower the CPU peak; with flash-attn (CUDA) there is no mask.
+
+Estimated part: longspec_cli.launch.memory.estimate (bf16, ZeRO-3 + optimizer offload, flash-attn,
+micro batch 1) for Llama-3.1-8B and QwQ-32B at 64k and 128k tokens on 8 GPUs of 141 and 80 GiB:
+the peak per GPU at SP 1, 2, 4, 8 and the smallest SP that fits 95% of the GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DIMS = {
+    # small enough for 2 shared CPU cores at 16k tokens; heads divisible by 2
+    "small": dict(hidden_size=256, intermediate_size=688, num_attention_heads=8, num_key_value_heads=2,
+                  num_hidden_layers=4, vocab_size=4096, max_position_embeddings=131072),
+    "qwen7b": dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
+                   num_hidden_layers=28, vocab_size=152064, max_position_embeddings=131072),
+}
+
+
+def parse(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--seq", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--dims", choices=sorted(DIMS), default="small")
+    ap.add_argument("--layers", type=int, help="target layers (default: the dims')")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--timeout", type=int, default=600, help="seconds per launch")
+    ap.add_argument("--estimate-only", action="store_true")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- one rank
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def worker(a: argparse.Namespace) -> None:
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if a.device == "cuda" else "cpu")
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from longspec.model import seqpar
+    from longspec.model.glide import GlideDraft, GlideModel, DraftConfig
+
+    world = int(os.environ["WORLD_SIZE"])
+    shared_gpu = a.device == "cuda" and torch.cuda.device_count() < world
+    deepspeed.init_distributed(dist_backend="gloo" if a.device == "cpu" or shared_gpu else "nccl")
+    rank = dist.get_rank()
+    dev = torch.device("cpu")
+    if a.device == "cuda":
+        dev = torch.device("cuda", 0 if shared_gpu else int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(dev)
+    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
+    dims = dict(DIMS[a.dims], **({"num_hidden_layers": a.layers} if a.layers else {}))
+    cfg = Qwen2Config(**dims, use_cache=True)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(dev):
+        target = Qwen2ForCausalLM(cfg).to(dtype).eval()
+        draft = GlideDraft(DraftConfig.from_target_config(cfg, a.window)).to(dtype)
+    model = GlideModel(target, draft)
+    if world > 1:
+        _, model.sp = seqpar.register_target(target, world, 1)
+    results = []
+    for T in a.seq:
+        g = torch.Generator().manual_seed(T)
+        ids = torch.randint(0, cfg.vocab_size, (1, T), generator=g).to(dev)
+        times = []
+        if a.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        else:
+            base = _rss()
+        for i in range(a.warmup + a.steps):
+            t0 = time.perf_counter()
+            out = model(input_ids=ids, labels=ids, cross_lag=1)
+            out["loss"].backward()
+            for p in draft.parameters():
+                p.grad = None
+            if a.device == "cuda":
+                torch.cuda.synchronize()
+            if i >= a.warmup:
+                times.append(time.perf_counter() - t0)
+        peak = (torch.cuda.max_memory_allocated() if a.device == "cuda"
+                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) - base
+        loss = out["loss"].detach().float().clone()
+        dist.all_reduce(loss)
+        row = torch.tensor([peak, statistics.median(times)], dtype=torch.float64)
+        rows = [torch.zeros_like(row) for _ in range(world)]
+        dist.all_gather(rows, row)
+        results.append({"seq_len": T, "sp": world, "peak_bytes_per_rank": max(int(r[0]) for r in rows),
+                        "step_s": max(float(r[1]) for r in rows), "loss": float(loss)})
+    if rank == 0:
+        Path(os.environ["BENCH_SP_OUT"]).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def launch(a: argparse.Namespace, ranks: int, seq: int, out: Path) -> dict:
+    """One torchrun of `ranks` ranks at one length (the peak RSS is a process's all-time peak)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+            str(port), str(Path(__file__).resolve()), "--worker", "--out", str(out), "--dims", a.dims,
+            "--device", a.device, "--steps", str(a.steps), "--warmup", str(a.warmup), "--window", str(a.window),
+            "--seq", str(seq)] + (["--layers", str(a.layers)] if a.layers else [])
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), BENCH_SP_OUT=str(out),
+               PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
+    try:
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=a.timeout)
+    except subprocess.TimeoutExpired:
+        return {"seq_len": seq, "sp": ranks, "error": f"over {a.timeout} s"}
+    if proc.returncode != 0:
+        return {"seq_len": seq, "sp": ranks, "error": f"rc {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"}
+    return json.loads(out.read_text())[0]
+
+
+# ----------------------------------------------------------------------------- estimates
+
+def estimates() -> list[dict]:
+    from dataclasses import replace
+
+    from longspec_cli.core import presets
+    from longspec_cli.launch import memory as M
+
+    rows = []
+    for name in ("llama3.1-8b-instruct", "qwq-32b-preview"):
+        p = presets.get_preset(name)
+        size = M.ModelSize.from_mapping({**p.size, "family": p.family})
+        for T in (65536, 131072):
+            shape = M.StageShape(size=size, precision="bf16", zero_stage=3, offload_optimizer=True, seq_len=T,
+                                 micro_batch=1, world_size=8, flash=True)
+            peaks = {sp: M.estimate(replace(shape, sequence_parallel=sp)).peak for sp in (1, 2, 4, 8)}
+            for gib in (141, 80):
+                cap = gib * M.GiB
+                fits = [sp for sp, b in peaks.items() if b <= 0.95 * cap]
+                rows.append({"target": name, "seq_len": T, "gpu_gib": gib, "gpus": 8,
+                             "peak_gib": {sp: round(b / M.GiB, 1) for sp, b in peaks.items()},
+                             "smallest_sp_that_fits": min(fits) if fits else None})
+    return rows
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    if a.worker:
+        worker(a)
+        return 0
+    report: dict = {"estimates": estimates()}
+    for r in report["estimates"]:
+        print(f"estimate {r['target']:<22} {r['seq_len']:>6} tokens, 8 x {r['gpu_gib']} GiB: "
+              + ", ".join(f"SP{sp} {g} GiB" for sp, g in r["peak_gib"].items())
+              + f" -> smallest SP that fits: {r['smallest_sp_that_fits']}")
+    if not a.estimate_only:
+        report.update(device=a.device, dims=a.dims, layers=a.layers, window=a.window, runs=[], ratios=[])
+        for T in a.seq:
+            pair = []
+            for sp in (1, 2):
+                t0 = time.time()
+                pair.append(launch(a, sp, T, a.out.with_suffix(f".sp{sp}.json")))
+                report["runs"].append(pair[-1])
+                print(f"SP {sp}, {T} tokens: {pair[-1]} ({time.time() - t0:.0f} s wall)", flush=True)
+            x, y = pair
+            if "error" not in x and "error" not in y:
+                report["ratios"].append({
+                    "seq_len": T, "peak_per_rank_sp2_over_sp1": round(y["peak_bytes_per_rank"] / x["peak_bytes_per_rank"], 3),
+                    "step_time_sp2_over_sp1": round(y["step_s"] / x["step_s"], 3), "loss_diff": abs(x["loss"] - y["loss"])})
+            for r in report["ratios"][-1:]:
+                print(f"{r['seq_len']} tokens: peak per rank SP2/SP1 {r['peak_per_rank_sp2_over_sp1']}, "
+                      f"step time SP2/SP1 {r['step_time_sp2_over_sp1']}, |loss diff| {r['loss_diff']:.2e}")
+    a.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {a.out}")
+    return 0 if a.estimate_only or len(report["ratios"]) == len(a.seq) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

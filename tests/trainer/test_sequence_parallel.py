@@ -1,0 +1,147 @@
+"""Sequence parallelism (`sequence_parallel_size`, DeepSpeed Ulysses) is exact: one 2-rank launch
+(tests/trainer/sp_worker.py) trains the tiny target's draft with SP=1 on the whole batch and with
+SP=2 (each rank one half of every sequence, ZeRO-3 engine from longspec.training.dsconfig) and
+compares every step; a control without the SP attention shows the comparison can fail."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from longspec.model import seqpar
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_prepare_shifts_labels_before_sharding_and_pads_to_a_multiple_of_sp():
+    ids = torch.arange(10, 15).unsqueeze(0)                        # (1, 5): 5 is odd, padded to 6
+    labels = ids.clone()
+    labels[0, 0] = -100
+    pos = torch.arange(100, 105).unsqueeze(0)
+    halves = [seqpar.prepare(ids, labels, pos, None, size=2, rank=r) for r in (0, 1)]
+    # position t's target is labels[t + 1]: rank 0's last position keeps its target (12 -> 13)
+    assert halves[0].labels.tolist() == [[11, 12, 13]]
+    assert halves[1].labels.tolist() == [[14, -100, -100]]
+    assert halves[1].position_ids.tolist() == [[103, 104, 105]]   # the pad continues the positions
+    assert halves[0].key_mask.tolist() == [[1, 1, 1, 1, 1, 0]]     # the pad is masked for the draft
+    full = seqpar.prepare(ids[:, :4], labels[:, :4], pos[:, :4], None, size=2, rank=1)
+    assert full.key_mask is None and full.input_ids.tolist() == [[12, 13]]
+    # an epoch's short last batch gets label-less, masked rows up to the hook's fixed batch size
+    short = seqpar.prepare(ids[:, :4], labels[:, :4], pos[:, :4], None, size=2, rank=0, rows=3)
+    assert short.input_ids.shape == (3, 2) and (short.labels[1:] == -100).all()
+    assert short.key_mask.tolist() == [[1, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def sp_report(tmp_path_factory) -> list[dict]:
+    from longspec.tiny import build_tiny
+
+    tmp = tmp_path_factory.mktemp("sp")
+    tiny = build_tiny(tmp / "tiny", family="qwen2")
+    out = tmp / "report.json"
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+               TOKENIZERS_PARALLELISM="false")
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+            "--master_port", str(_free_port()), str(ROOT / "tests/trainer/sp_worker.py"), tiny["target"], str(out)]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(out.read_text())["ranks"]
+
+
+@pytest.mark.slow
+def test_sp2_matches_sp1_loss_gradients_and_weights_at_every_step(sp_report):
+    for r in sp_report:
+        assert r["engine_sp"] == 2 and r["ds_sequence_parallel_size"] == 2
+        assert r["reduce_scatter"] is False and "reduce_scatter = false" in r["notes"][0]
+        # Losses (draft and target) at each of the 3 steps: fp32 round-off of a sum of ~80 CE terms.
+        assert r["loss_diff"] < 1e-5, r
+        # Draft gradients at every step: round-off (about 1e-8) against gradients of about 1e-2.
+        for diff, size in zip(r["grad_diff"], r["grad_max"]):
+            assert diff < 1e-4 * size, r
+        # After 3 SGD steps (lr 0.5): a weight moves by ~8e-3, the two runs by round-off only.
+        assert r["weight_diff"] < 1e-6 and r["weight_change"] > 1e-3, r
+    assert sp_report[0]["sp_losses"] == sp_report[1]["sp_losses"]
+    # The draft's attention alone: 2 key-value heads split, 1 replicated (MQA); window and lag.
+    for r in sp_report:
+        assert set(r["attention_alone"]) == {"kv2_window", "kv2_lag", "kv1_window", "kv1_lag"}
+        assert max(r["attention_alone"].values()) < 1e-5, r["attention_alone"]
+
+
+@pytest.mark.slow
+def test_the_comparison_fails_without_the_sequence_parallel_attention(sp_report):
+    # Each rank alone on its half: the draft and the target attend within the half only.
+    for r in sp_report:
+        assert r["control_loss_diff"] > 1e-3 and r["control_grad_diff"] > 1e-3, r
+
+
+def test_ds_config_counts_data_parallel_ranks_and_turns_zero3_reduce_scatter_off():
+    from longspec.training import dsconfig
+    from tests.trainer.test_dsconfig import base_conf
+
+    conf = base_conf(sequence_parallel_size=4, per_gpu_train_batch_size=1, gradient_accumulation_steps=2)
+    conf["ds_cfg"] = {"zero_optimization": {"stage": 3, "reduce_scatter": True}}
+    ds, notes = dsconfig.build_ds_config(conf, world_size=8, total_steps=10, warmup_steps=1, on_cpu=False)
+    assert ds["train_batch_size"] == 1 * 2 * 2 and ds["sequence_parallel_size"] == 4
+    assert ds["zero_optimization"]["reduce_scatter"] is False and any("reduce_scatter = false" in n for n in notes)
+    conf["ds_cfg"] = {"zero_optimization": {"stage": 1}}
+    ds, notes = dsconfig.build_ds_config(conf, world_size=8, total_steps=10, warmup_steps=1, on_cpu=False)
+    assert "reduce_scatter" not in ds["zero_optimization"] and not notes    # ZeRO 0/1/2 sum over SP already
+    with pytest.raises(dsconfig.ConfigError, match="does not divide the world size 6"):
+        dsconfig.build_ds_config(conf, world_size=6, total_steps=10, warmup_steps=1, on_cpu=False)
+    plain, _ = dsconfig.build_ds_config(base_conf(), world_size=8, total_steps=10, warmup_steps=1, on_cpu=False)
+    assert "sequence_parallel_size" not in plain                           # SP 1: DeepSpeed's config as before
+
+
+@pytest.mark.slow
+def test_the_trainer_at_sp2_on_two_ranks_trains_like_sp1_on_one(tmp_path):
+    """The loop's part (sampler and seeds by data-parallel rank, loss averaging, the engine's mpu):
+    the tiny long stage (ZeRO-3 + offload, CPU Adam), 3 steps, SP 2 on 2 ranks against 1 rank."""
+    import torch
+
+    from longspec.tiny import build_tiny
+    from tests.trainer.test_train import launch, show, write_project
+
+    tiny = build_tiny(tmp_path / "tiny", family="qwen2")
+    conf = write_project(tmp_path / "proj", tiny)
+    runs = {}
+    for name, ranks, extra in (("sp1", 1, []), ("sp2", 2, ["sequence_parallel_size=2"])):
+        out = tmp_path / "proj" / "runs" / name
+        proc = launch(conf, "long", ranks, "max_steps=3", "save_steps=3", "eval_steps=0", f"output_dir={out}", *extra)
+        assert proc.returncode == 0, show(proc)
+        steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+        runs[name] = (proc, steps, torch.load(out / "draft_model_weights.pth"), (out / "training_config.yaml").read_text())
+    (_, one, w1, _), (proc, two, w2, resolved) = runs["sp1"], runs["sp2"]
+    assert [s["step"] for s in one] == [s["step"] for s in two] == [1, 2, 3]
+    for a, b in zip(one, two):
+        assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["llm_loss"] - b["llm_loss"]) < 1e-5, (a, b)
+    assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-6
+    assert "sequence_parallel_size: 2" in resolved and "reduce_scatter: false" in resolved
+    assert "(sequence parallel 2: 1 data-parallel)" in proc.stdout
+
+
+def test_preflight_refuses_head_counts_sp_cannot_split_before_any_weight_loads(monkeypatch):
+    from transformers import Qwen2Config
+
+    from longspec.training.entry import TrainError
+    from longspec.training.preflight import check_sequence_parallel
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    qwen7b = Qwen2Config(num_attention_heads=28, num_key_value_heads=4, hidden_size=3584)
+    check_sequence_parallel({"sequence_parallel_size": 4}, qwen7b)
+    with pytest.raises(TrainError, match="largest SP that works is 4"):
+        check_sequence_parallel({"sequence_parallel_size": 8}, qwen7b)
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    with pytest.raises(TrainError, match="does not divide the 6 ranks"):
+        check_sequence_parallel({"sequence_parallel_size": 4}, qwen7b)
