@@ -66,6 +66,7 @@ def regenerate_cmd(
 
     def body() -> None:
         from longspec_cli.core.manifest import load_manifest
+        from longspec_cli.core.regenstate import stage_folder
 
         if api not in ("completions", "chat"):
             raise UsageError(f"--api {api!r}: choose completions or chat")
@@ -79,7 +80,7 @@ def regenerate_cmd(
         flags += ["--keep-truncated"] if keep_truncated else []
         results = []
         for spec in chosen:
-            out = manifest.root / "data" / "regen" / spec.name
+            out = stage_folder(manifest.root, spec.name)
             if not as_json:
                 typer.echo(f"== {spec.name}", err=True)
             r = run_stage(spec, out, flags, show_progress=not as_json)
