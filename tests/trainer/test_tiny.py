@@ -333,3 +333,17 @@ def test_answer_style_other_rewrites_the_answers_only(tmp_path):
     assert set(OTHER_WORDS) >= {"the", "is", "."}
     with pytest.raises(ValueError):
         make(random.Random(0), 1, answer_style="nope")
+
+
+def test_cli_answer_style_other_keeps_the_target(tiny, tmp_path):
+    out = tmp_path / "other"
+    r = run_cli("build", out, "--answer-style", "other", "--json", "--quiet")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["answer_style"] == "other" and res["cached"] is True
+    assert folder_digest(out / "target") == folder_digest(Path(tiny["target"]))
+    mine = [json.loads(x) for x in Path(tiny["data"]["longcot"]).read_text().splitlines()]
+    other = [json.loads(x) for x in Path(res["data"]["longcot"]).read_text().splitlines()]
+    assert [r.get("prompt", r.get("problem")) for r in mine] == [r.get("prompt", r.get("problem")) for r in other]
+    assert all(a.get("response", a.get("qwq")) != b.get("response", b.get("qwq")) for a, b in zip(mine, other))
+    assert run_cli("build", tmp_path / "x", "--answer-style", "nope").returncode == 2
