@@ -71,6 +71,9 @@ class StageStatus:
     draft_pick: str = "final"  # which draft of draft_from the stage starts from (longspec.yaml)
     where: str | None = None  # what runs it (or ran it last): "process 12 on h", "SLURM job 42 on node[1-2]"
     job_id: str | None = None  # the SLURM job of the run record, if any
+    # the stage's data regeneration (core.regenstate), when one is recorded:
+    # {state: running | interrupted | unknown, done, total, pid, folder}
+    regeneration: dict | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -185,6 +188,8 @@ def _read_regen(st: StageStatus, spec: StageSpec, root: Path | None):
     regen = regenstate.regen_state(regenstate.stage_folder(base, spec.name))
     if regen is not None:
         st.reasons.append(regen.line())
+        st.regeneration = {"state": regen.state, "done": regen.done, "total": regen.total, "pid": regen.pid,
+                           "folder": regen.folder}
     c = compose_stage(spec.config, stage_overrides(spec.output_dir, []))
     train, target = (c.get(k) if c.ok else None for k in ("train_file", "model_name_or_path"))
     if isinstance(train, str) and isinstance(target, str):

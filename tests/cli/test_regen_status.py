@@ -46,6 +46,8 @@ def test_a_live_regeneration_shows_its_rows_then_interrupted_when_its_process_is
         base = _status(project)["base"]
         assert base["next_action"] == "wait: regenerating 120/500 rows; then start"
         assert any(r.startswith(f"regenerating 120/500 rows (process {proc.pid}") for r in base["reasons"])
+        assert base["regeneration"] == {"state": "running", "done": 120, "total": 500, "pid": proc.pid,
+                                        "folder": str(folder)}
         res = runner.invoke(app, ["status", str(project.root)])
         assert res.exit_code == 0 and "regenerating 120/500 rows" in " ".join(res.output.split())
         res = runner.invoke(app, ["monitor", str(project.root), "--once"])
@@ -54,7 +56,7 @@ def test_a_live_regeneration_shows_its_rows_then_interrupted_when_its_process_is
         proc.kill()
         proc.wait(timeout=30)
     base = _status(project)["base"]
-    assert base["next_action"] == "start"
+    assert base["next_action"] == "start" and base["regeneration"]["state"] == "interrupted"
     assert any("regeneration interrupted at 120/500 rows" in r and "resumes it" in r for r in base["reasons"])
 
 
