@@ -175,7 +175,7 @@ def _regen_target(c, m) -> list[Problem]:
     base = Path(m.root)
     why = other_target(*(Path(v) if Path(v).is_absolute() else base / v for v in (train, target)))
     return [c.problem("warning", "train_file", why,
-                      "the draft would learn another model's answers; regenerate with --force, then train")] if why else []
+                      "the draft would learn another model's answers, not its target's")] if why else []
 
 
 # ---------------------------------------------------------------- entry point
