@@ -27,6 +27,7 @@ from pathlib import Path
 
 from longspec.data import regen as R
 from longspec.data import regenstore as S
+from longspec_cli.core.regenstate import clear_progress, write_progress
 
 EXIT_REFUSED, EXIT_INPUT, EXIT_TERM, EXIT_INT = 1, 3, 5, 130
 INT_FLAGS = ("concurrency", "batch", "prefix-tokens", "max-new-tokens", "shard-rows", "limit", "window")
@@ -91,7 +92,7 @@ def run(cfg) -> dict:
     writer = S.OrderedWriter(out, collator, start, FLAGS["shard-rows"], FLAGS["keep-truncated"], totals)
     prompter = R.Prompter(tok, max_seq, FLAGS["prefix-tokens"], FLAGS["max-new-tokens"])
     rows = itertools.takewhile(lambda r: r.index < total, R.source_rows(train_file, collator, start))
-    progress = Progress(conf["stage"], start, total, writer)
+    progress = Progress(conf["stage"], start, total, writer, out)
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     t0 = time.monotonic()
     try:
@@ -113,6 +114,8 @@ def run(cfg) -> dict:
         complete = not STOP and writer.next >= total
         S.write_manifest(out, expect, engine.describe(), writer.totals, total, writer.next, complete)
         progress.end()
+    if not STOP:
+        clear_progress(out)                            # ended by itself: nothing for status to show
     seconds = time.monotonic() - t0
     made = writer.totals["completion_tokens"] - progress.tokens0
     return {"stage": conf["stage"], "out": str(out), "engine": engine.describe(), "records": total,
@@ -174,12 +177,15 @@ def _served(engine, prompter, rows, progress):
 
 
 class Progress:
-    """One line on stderr every few seconds: rows, rows/s, tokens/s, ETA."""
+    """One line on stderr every few seconds: rows, rows/s, tokens/s, ETA; and the folder's progress
+    record (longspec_cli.core.regenstate: what `longspec status` shows while this runs)."""
 
-    def __init__(self, stage: str, start: int, total: int, writer, every: float = 2.0):
+    def __init__(self, stage: str, start: int, total: int, writer, out: Path, every: float = 2.0):
         self.stage, self.start, self.total, self.writer, self.every = stage, start, total, writer, every
+        self.out = out
         self.t0 = self.last = time.monotonic()
         self.tokens0 = writer.pending()["completion_tokens"]
+        write_progress(out, stage, start, total)
 
     def tick(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -187,6 +193,7 @@ class Progress:
             return
         self.last = now
         c, done = self.writer.pending(), self.writer.next
+        write_progress(self.out, self.stage, done, self.total)
         dt = max(now - self.t0, 1e-9)
         rate, toks = (done - self.start) / dt, (c["completion_tokens"] - self.tokens0) / dt
         eta = _clock((self.total - done) / rate) if rate > 0 else "?"

@@ -1,12 +1,15 @@
 """The tiny preset: a synthetic language, a byte-level BPE tokenizer, a briefly pre-trained
 Qwen2- or Llama-family target and the three stages' data, all built locally and offline.
 
-    python -m longspec.tiny build OUT [--family qwen2|llama] [--seed N] [--json] [--force] [--quiet]
+    python -m longspec.tiny build OUT [--family qwen2|llama] [--seed N] [--answer-style target|other]
+        [--json] [--force] [--quiet]
 
 writes OUT/target/ (an ordinary Hugging Face model folder: config, safetensors, tokenizer) and
 OUT/data/{base,long,longcot}.jsonl. The tokenizer and target depend only on TINY_VERSION and the
 family, so they are trained once and then copied from a cache ($LONGSPEC_TINY_CACHE, else
-~/.cache/longspec/tiny/); `seed` only changes the stage data.
+~/.cache/longspec/tiny/); `seed` only changes the stage data. `--answer-style other` writes the
+stage data's answers in another wording than the target's (as a second model's answers would
+read; longspec.data.synthetic.restyle): same questions, same target.
 
 The synthetic language, the stage records and the pre-training corpus are longspec.data.synthetic.
 """
@@ -23,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from longspec.data.synthetic import STAGE_DATA, base_records, pretrain_corpus
+from longspec.data.synthetic import ANSWER_STYLES, STAGE_DATA, base_records, pretrain_corpus
 
 TINY_VERSION = "4"  # the cache key: bump it with any change that alters the target's bytes
 FAMILIES = ("qwen2", "llama")
@@ -252,19 +255,19 @@ def _write_jsonl(path: Path, records: list[dict]) -> None:
     os.replace(tmp, path)
 
 
-def write_data(data_dir: Path, seed: int) -> dict[str, str]:
+def write_data(data_dir: Path, seed: int, answer_style: str = "target") -> dict[str, str]:
     data_dir.mkdir(parents=True, exist_ok=True)
     paths = {}
     for stage, (make, n, lengths) in STAGE_DATA.items():
         rng = random.Random(f"longspec-tiny-{stage}-{seed}")
         path = data_dir / f"{stage}.jsonl"
-        _write_jsonl(path, make(rng, n, **lengths))
+        _write_jsonl(path, make(rng, n, **lengths, answer_style=answer_style))
         paths[stage] = str(path.resolve())
     return paths
 
 
 def build_tiny(out_dir, family: str = "qwen2", seed: int = 0, force: bool = False,
-               log=None) -> dict:
+               log=None, answer_style: str = "target") -> dict:
     """OUT/target/ (model + tokenizer) and OUT/data/{base,long,longcot}.jsonl.
 
     Returns {"target": path, "data": {stage: path}, "family", "seed", "cached", "seconds"}.
@@ -287,9 +290,9 @@ def build_tiny(out_dir, family: str = "qwen2", seed: int = 0, force: bool = Fals
         os.rename(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    data = write_data(out / "data", seed)
+    data = write_data(out / "data", seed, answer_style)
     return {"target": str(target.resolve()), "data": data, "family": family, "seed": seed,
-            "cached": cached, "seconds": round(time.time() - t0, 2)}
+            "answer_style": answer_style, "cached": cached, "seconds": round(time.time() - t0, 2)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -300,13 +303,16 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("out", help="output folder")
     b.add_argument("--family", choices=FAMILIES, default="qwen2")
     b.add_argument("--seed", type=int, default=0, help="seed of the stage data")
+    b.add_argument("--answer-style", choices=ANSWER_STYLES, default="target",
+                   help="the stage answers' wording: the target's, or another (a second model's)")
     b.add_argument("--json", action="store_true", help="print the paths as one JSON object")
     b.add_argument("--force", action="store_true", help="replace an earlier tiny build in OUT")
     b.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     args = ap.parse_args(argv)
     log = None if args.quiet else (lambda m: print(f"[tiny] {m}", file=sys.stderr, flush=True))
     try:
-        res = build_tiny(args.out, family=args.family, seed=args.seed, force=args.force, log=log)
+        res = build_tiny(args.out, family=args.family, seed=args.seed, force=args.force, log=log,
+                         answer_style=args.answer_style)
     except (TinyBuildError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

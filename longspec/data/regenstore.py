@@ -15,7 +15,6 @@ most `window` rows in flight) and cuts a shard at every `shard_rows` records, in
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import re
@@ -27,13 +26,11 @@ from longspec.data.records import DataError
 from longspec.data.regen import COLUMNS, META_COLUMNS, Row, output_record
 from longspec_cli.core import datafiles
 from longspec_cli.core.atomic import atomic_write_bytes, atomic_write_json
+from longspec_cli.core.regenstate import FORMAT, MANIFEST, target_digest  # one owner: status compares the digest
 
-MANIFEST = "manifest.json"
-FORMAT = "longspec-regen-1"
 COUNTS_KEY = b"longspec.regen.counts"
 COUNTS = ("kept", "truncated", "failed", "skipped", "prompt_tokens", "completion_tokens")
 _SHARD = re.compile(r"part-(\d{8})-(\d{8})\.parquet$")
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pth", ".pt")
 
 
 class RegenRefused(DataError):
@@ -41,19 +38,6 @@ class RegenRefused(DataError):
 
 
 # ----------------------------------------------------------------------------- fingerprints
-
-def target_digest(target) -> str:
-    """sha256 of the target's config files and its weight files' names and sizes (a 60 GB target
-    is not re-read; chainwalk's continuations use the same rule)."""
-    h = hashlib.sha256(b"target\n")
-    folder = Path(target)
-    for f in sorted(folder.iterdir()) if folder.is_dir() else ():
-        if f.name in ("config.json", "generation_config.json"):
-            h.update(f.name.encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
-        elif f.suffix in WEIGHT_SUFFIXES:
-            h.update(f"{f.name}\0{f.stat().st_size}".encode())
-    return h.hexdigest()
-
 
 def source_fingerprint(train_file) -> dict:
     """The train_file's files with their sizes and content sha256."""

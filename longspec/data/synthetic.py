@@ -8,11 +8,22 @@ stated once and asked for much later (long-range look-ups for the long-context s
 The tiny target and its tokenizer are trained on pretrain_corpus, so a change here that alters
 the corpus alters the target's bytes: bump longspec.tiny.TINY_VERSION with it.
 render_chat writes chats as the tokenizer's CHAT_TEMPLATE (longspec.tiny) does.
+
+Answer styles (ANSWER_STYLES; the stage builders' `answer_style`, `python -m longspec.tiny build
+OUT --answer-style other`): "target" (the default) writes the answers as the target learned them;
+"other" writes the same answers in another wording, as a second model's answers would read
+(OTHER_WORDS: "the code of ada is 42 ." -> "that code of ada equals 42 !"). Only the answers
+change: chat assistant turns, arXiv abstracts, chain-of-thought responses, and documents (base,
+long's book and code: a document is all answer); prompts, user turns and articles stay, and no
+random draw changes, so the records match one for one. pretrain_corpus is always in the target's
+style (the tiny target and TINY_VERSION do not depend on it): stage data in the "other" style is
+what `longspec regenerate` brings back to the target's own.
 """
 
 from __future__ import annotations
 
 import random
+import re
 
 
 # --------------------------------------------------------------------------- the language
@@ -147,12 +158,43 @@ class Lang:
         return prompt, " ".join(steps)
 
 
+# --------------------------------------------------------------------------- answer styles
+
+ANSWER_STYLES = ("target", "other")
+OTHER_WORDS = {"the": "that", "is": "equals", ".": "!", ",": ";", "ok": "sure", "plus": "add",
+               "so": "thus", "let": "allow", "answer": "result"}
+_WORD = re.compile(r"(?<!\S)\S+(?!\S)")
+
+
+def other_style(text: str) -> str:
+    """`text` in the "other" answer style: whole words swapped by OTHER_WORDS, spacing kept."""
+    return _WORD.sub(lambda m: OTHER_WORDS.get(m.group(0), m.group(0)), text)
+
+
+def restyle(rec: dict, answer_style: str = "target") -> dict:
+    """A stage record with its answers in `answer_style` (the record itself for "target")."""
+    if answer_style not in ANSWER_STYLES:
+        raise ValueError(f"answer_style {answer_style!r}: choose one of {', '.join(ANSWER_STYLES)}")
+    if answer_style == "target":
+        return rec
+    out = dict(rec)
+    for key in ("text", "abstract", "qwq", "response"):
+        if isinstance(out.get(key), str):
+            out[key] = other_style(out[key])
+    for key in ("conversation", "messages"):
+        if isinstance(out.get(key), list):
+            out[key] = [{**m, "content": other_style(m["content"])} if m.get("role") == "assistant" else m
+                        for m in out[key]]
+    return out
+
+
 # --------------------------------------------------------------------------- stage data
 
-def base_records(rng: random.Random, n: int) -> list[dict]:
+def base_records(rng: random.Random, n: int, answer_style: str = "target") -> list[dict]:
     """Stage 1: short texts (~100-200 tokens)."""
     lang = Lang(rng)
-    return [{"text": lang.paragraph(rng.randrange(6, 12), rng.randrange(0, 4))} for _ in range(n)]
+    return [restyle({"text": lang.paragraph(rng.randrange(6, 12), rng.randrange(0, 4))}, answer_style)
+            for _ in range(n)]
 
 
 def _span(rng: random.Random, span: int | tuple[int, int]) -> int:
@@ -161,7 +203,7 @@ def _span(rng: random.Random, span: int | tuple[int, int]) -> int:
 
 
 def long_records(rng: random.Random, n: int, chat_turns: tuple[int, int] = (25, 40),
-                 article_sentences: int | tuple[int, int] = 100) -> list[dict]:
+                 article_sentences: int | tuple[int, int] = 100, answer_style: str = "target") -> list[dict]:
     """Stage 2: ~1-2k-token documents (book, code) in upstream's `source` kinds, plus chats
     (arxiv summaries, tulu-v2 and plain `messages` chats) of `chat_turns` look-ups and articles
     of `article_sentences` sentences. The defaults (~1.3-2.5k-token chats) are the pre-training
@@ -185,12 +227,12 @@ def long_records(rng: random.Random, n: int, chat_turns: tuple[int, int] = (25, 
             out.append({"source": "tulu-v2", "conversation": lang.chat(rng.randrange(*chat_turns))})
         else:
             out.append({"messages": lang.chat(rng.randrange(*chat_turns))})
-    return out
+    return [restyle(r, answer_style) for r in out]
 
 
 def longcot_records(rng: random.Random, n: int, sum_terms: tuple[int, int] = (60, 120),
                     lookup_facts: tuple[int, int] = (30, 60),
-                    search: tuple[float, float] = (0.5, 1.0)) -> list[dict]:
+                    search: tuple[float, float] = (0.5, 1.0), answer_style: str = "target") -> list[dict]:
     """Stage 3: long chain-of-thought in QwQ-LongCoT (`problem`/`qwq`: sums of `sum_terms`
     numbers) and prompt/response form (a look-up among `lookup_facts` facts, the key between the
     `search` shares of them). The defaults (0.5-2.7k tokens) are the pre-training corpus's."""
@@ -202,7 +244,7 @@ def longcot_records(rng: random.Random, n: int, sum_terms: tuple[int, int] = (60
         else:
             prompt, response = lang.lookup_cot(rng.randrange(*lookup_facts), search)
             out.append({"prompt": prompt, "response": response})
-    return out
+    return [restyle(r, answer_style) for r in out]
 
 
 # The tiny preset's stage files: (maker, records, lengths). Stages 2-3 train 60 steps x 2

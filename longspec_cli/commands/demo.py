@@ -20,7 +20,11 @@ stages (base -> long -> longcot) on whatever the machine has (CPU without a GPU)
 stage's draft as it finishes (as `longspec run --eval`: greedy speculative decoding of held-out
 prompts) and prints, per stage: steps, first and last loss, tokens/s, wall time, tau (tokens per
 target forward), speed-up and the final weights' sha256. Running it again continues where it
-stopped; finished stages (and their current measurements) are skipped."""
+stopped; finished stages (and their current measurements) are skipped.
+
+--regenerate: before training, each stage's data is written again by the tiny target
+(`longspec regenerate DIR STAGE --use`: the records training draws plus the held-out ones, a
+document's first 32 tokens kept as context), so the stages train on what the target writes."""
 
 
 def demo(
@@ -30,6 +34,8 @@ def demo(
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Cap every stage at N steps "
                                             "(a quicker smoke run; passed as max_steps=N save_steps=N)."),
     evaluate: bool = typer.Option(True, "--eval/--no-eval", help="Measure tau and speed-up of each stage."),
+    regenerate: bool = typer.Option(False, "--regenerate", help="Train each stage on its data as the target "
+                                    "writes it (`longspec regenerate ... --use` before training)."),
 ) -> None:
     """Scaffold the tiny preset and train all three stages: a whole LongSpec pipeline in minutes."""
 
@@ -58,6 +64,13 @@ def demo(
 
             raise UsageError("--max-steps must be at least 1")
         overrides = [f"max_steps={max_steps}", f"save_steps={max_steps}"] if max_steps else []
+        if regenerate:
+            from longspec_cli.core.manifest import load_manifest
+            from longspec_cli.launch.regen import regenerate_for_demo
+
+            t1 = time.monotonic()
+            regenerate_for_demo(load_manifest(root), overrides, console.say)
+            console.say(f"data regenerated in {time.monotonic() - t1:.1f} s")
         req = plan.RunRequest(project=root, all=True, placement=A.Placement(gpus=gpus), quiet=quiet,
                                   overrides=overrides, evaluate=evaluate)
         execute.run_request(req, console)

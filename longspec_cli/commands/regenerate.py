@@ -1,13 +1,13 @@
 """`longspec regenerate DIR [STAGE ...]`: each stage's answers written again by its own target.
 
 The work runs in `python -m longspec.regenerate` (this process never imports torch); `--use`
-points the stage's train_file at the result with a one-line round-trip edit (core/yamledit.py).
+points the stage's train_file at the result with a one-line round-trip edit (core/yamledit.py);
+both through launch/regen.py, which `longspec demo --regenerate` uses too.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import List, Optional
 
@@ -66,6 +66,8 @@ def regenerate_cmd(
 
     def body() -> None:
         from longspec_cli.core.manifest import load_manifest
+        from longspec_cli.core.regenstate import stage_folder
+        from longspec_cli.launch.regen import run_stage, use_folder
 
         if api not in ("completions", "chat"):
             raise UsageError(f"--api {api!r}: choose completions or chat")
@@ -79,7 +81,7 @@ def regenerate_cmd(
         flags += ["--keep-truncated"] if keep_truncated else []
         results = []
         for spec in chosen:
-            out = manifest.root / "data" / "regen" / spec.name
+            out = stage_folder(manifest.root, spec.name)
             if not as_json:
                 typer.echo(f"== {spec.name}", err=True)
             r = run_stage(spec, out, flags, show_progress=not as_json)
@@ -105,31 +107,6 @@ def regenerate_cmd(
             raise typer.Exit(INTERRUPTED if stopped == "SIGINT" else PREEMPTED)
 
     run_cli(body)
-
-
-def run_stage(spec, out: Path, flags: list[str], show_progress: bool) -> dict:
-    """`python -m longspec.regenerate` for one stage; its JSON summary."""
-    from longspec_cli.core.trainerjson import run_trainer_json
-    from longspec_cli.launch.plan import exp_location
-
-    conf, exp = exp_location(spec)
-    argv = [sys.executable, "-m", "longspec.regenerate", "--config-dir", str(conf), f"+exp={exp}",
-            "--out", str(out), *flags, "--json"]
-    return run_trainer_json(argv, show_progress=show_progress, allow_codes=(PREEMPTED, INTERRUPTED))
-
-
-def use_folder(config: Path, out: Path) -> str:
-    """Set the stage file's train_file to `out`, changing that one line; what changed, in words."""
-    from longspec_cli.core.atomic import atomic_write_text
-    from longspec_cli.core.yamledit import set_root_scalar
-
-    config = Path(config)
-    text = config.read_text(encoding="utf-8")
-    edit = set_root_scalar(text, "train_file", str(out), config)
-    if not edit.changed:
-        return f"{config.name}: train_file already {out}"
-    atomic_write_text(config, edit.new_text)
-    return f"{config.name}:{edit.line}: train_file {edit.old_value} -> {out}"
 
 
 def register(app: typer.Typer) -> None:

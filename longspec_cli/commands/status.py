@@ -18,6 +18,8 @@ States: pending, running, queued or requeued (a SLURM job holds the stage: its j
 done, stale (config or input draft changed since the run), preempted, failed.
 Each stage's data: ready (tokens, epochs the planned steps cover), missing, stale (train_file
 changed since `longspec prepare`) or corrupt; `run` prepares what is not ready.
+A stage whose data `longspec regenerate` is writing shows `regenerating N/M rows` (interrupted once
+its process is gone: rerun it to resume); one trained on another target's regenerated answers is stale.
 
 Exit codes: 0 ok, 2 no such project, 3 unreadable longspec.yaml."""
 

@@ -148,7 +148,7 @@ def validate_project(root: Path, world_size: int | None = None, cache: dict | No
         c = compose_stage(st.config, stage_overrides(st.output_dir, list(overrides)))
         file_problems, summary = _check_file(c, ctx)
         problems += file_problems + (stage_in_project(c, st, m, ctx) if c.ok else [])
-        problems += _prepared_info(c, m, world)
+        problems += _prepared_info(c, m, world) + _regen_target(c, m)
         rep.files.append(summary)
     rep.add(problems)
     return rep
@@ -163,6 +163,20 @@ def _prepared_info(c, m, world: int) -> list[Problem]:
     st = stage_prepared(c.data, m.root, world)
     return ([c.problem("info", "train_file", prepared_note(st))]
             + [c.problem("warning", "train_file", w) for w in prepared_warnings(st)])
+
+
+def _regen_target(c, m) -> list[Problem]:
+    """A warning when the train_file is a regeneration folder written by another target
+    (core.regenstate: the digest the manifest holds against the stage's target now)."""
+    from longspec_cli.core.regenstate import other_target
+
+    train, target = (c.get(k) if c.ok else None for k in ("train_file", "model_name_or_path"))
+    if not (isinstance(train, str) and isinstance(target, str)):
+        return []
+    base = Path(m.root)
+    why = other_target(*(Path(v) if Path(v).is_absolute() else base / v for v in (train, target)))
+    return [c.problem("warning", "train_file", why,
+                      "the draft would learn another model's answers, not its target's")] if why else []
 
 
 # ---------------------------------------------------------------- entry point

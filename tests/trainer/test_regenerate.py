@@ -22,6 +22,7 @@ import pytest
 from longspec.data import encoding
 from longspec.data import regen as R
 from longspec.data import regenstore as S
+from longspec_cli.core import regenstate
 
 REPO = Path(__file__).resolve().parents[2]
 COT_RECORDS = 8
@@ -193,16 +194,21 @@ def test_sigterm_writes_the_rows_done_and_exits_5(embedded, work):
     deadline = time.monotonic() + 300
     while not S.shards(out) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
+    live = regenstate.regen_state(out)          # what `longspec status` reads while it runs
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=300)
     if proc.returncode == 0:
         pytest.skip("the run ended before the signal")
+    assert live is not None and live.state == "running" and live.pid == proc.pid and live.total == 6
     assert proc.returncode == 5, stderr[-2000:]
     r = json.loads(stdout.strip().splitlines()[-1])
     assert r["stopped_by"] == "SIGTERM" and not r["complete"] and r["done"] >= 2
+    gone = regenstate.regen_state(out)          # the record stays: the run is resumable
+    assert gone is not None and gone.state == "interrupted" and gone.done == r["done"]
     assert rows_of(out) == [x for x in embedded["rows"] if int(x["id"].split("#")[1]) < r["done"]]
     assert regenerate(work, "cot", out, "--shard-rows", "2", "--batch", "2", "--limit", "6")["complete"]
     assert rows_of(out) == [x for x in embedded["rows"] if int(x["id"].split("#")[1]) < 6]
+    assert regenstate.regen_state(out) is None  # a run that ends by itself leaves no record
 
 
 # ----------------------------------------------------------------------------- a real server

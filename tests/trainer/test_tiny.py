@@ -296,3 +296,54 @@ def test_fresh_builds_are_deterministic_and_share_one_cache_entry(tiny, tmp_path
             assert sha(tmp_path / f"o{i}" / "data" / f"{stage}.jsonl") == sha(Path(path))
     assert sorted(p.name for p in cache.iterdir()) == [damaged.name, damaged.name + ".lock"]
     assert cache_dir() != cache  # the test did not touch the shared cache's location
+
+
+def test_answer_style_other_rewrites_the_answers_only(tmp_path):
+    """--answer-style other: the same records with the answers worded otherwise (a second model's
+    style), questions untouched, deterministic; the target's corpus is the test above's."""
+    from longspec.data.synthetic import OTHER_WORDS, STAGE_DATA
+    from longspec.tiny import write_data
+
+    def answers(rec):
+        turns = rec.get("conversation") or rec.get("messages") or []
+        return [rec.get(k) for k in ("text", "abstract", "qwq", "response")] + \
+            [m["content"] for m in turns if m["role"] == "assistant"]
+
+    def questions(rec):
+        turns = rec.get("conversation") or rec.get("messages") or []
+        return [rec.get(k) for k in ("prompt", "problem", "article", "source")] + \
+            [m for m in turns if m["role"] != "assistant"]
+
+    for stage, (make, n, lengths) in STAGE_DATA.items():
+        n = min(n, 20)
+        mine = make(random.Random(f"s-{stage}"), n, **lengths)
+        other = make(random.Random(f"s-{stage}"), n, **lengths, answer_style="other")
+        assert other == make(random.Random(f"s-{stage}"), n, **lengths, answer_style="other")
+        assert len(mine) == len(other) and [sorted(r) for r in mine] == [sorted(r) for r in other]
+        for a, b in zip(mine, other):
+            assert questions(a) == questions(b)
+            changed = [(x, y) for x, y in zip(answers(a), answers(b)) if x != y]
+            if a.get("source") != "code":                 # code has none of OTHER_WORDS
+                assert changed, (stage, a)
+            for x, y in changed:
+                assert len(x.split()) == len(y.split()) and " . " not in f" {y} "
+    paths = write_data(tmp_path / "d", 0, "other")
+    first = json.loads(Path(paths["longcot"]).read_text().splitlines()[1])
+    assert first["response"].endswith(" result equals " + first["response"].split()[-2] + " !")
+    assert set(OTHER_WORDS) >= {"the", "is", "."}
+    with pytest.raises(ValueError):
+        make(random.Random(0), 1, answer_style="nope")
+
+
+def test_cli_answer_style_other_keeps_the_target(tiny, tmp_path):
+    out = tmp_path / "other"
+    r = run_cli("build", out, "--answer-style", "other", "--json", "--quiet")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert res["answer_style"] == "other" and res["cached"] is True
+    assert folder_digest(out / "target") == folder_digest(Path(tiny["target"]))
+    mine = [json.loads(x) for x in Path(tiny["data"]["longcot"]).read_text().splitlines()]
+    other = [json.loads(x) for x in Path(res["data"]["longcot"]).read_text().splitlines()]
+    assert [r.get("prompt", r.get("problem")) for r in mine] == [r.get("prompt", r.get("problem")) for r in other]
+    assert all(a.get("response", a.get("qwq")) != b.get("response", b.get("qwq")) for a, b in zip(mine, other))
+    assert run_cli("build", tmp_path / "x", "--answer-style", "nope").returncode == 2
