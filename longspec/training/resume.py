@@ -11,7 +11,8 @@ tracking, eval, kernels, the stage's label) never block a resume. The schedule's
 (`max_steps`, `num_train_epochs`) is math, with one way through: `resume_schedule=stretch` resumes
 and recomputes warm-up and decay for the new total, so the learning rate continues on the new
 curve from the checkpoint's step; without it the resume is refused and the checkpoints are kept.
-`force=true` starts over (the checkpoints are removed).
+`force=true` starts over (the checkpoints are removed). A checkpoint resumes only on the ranks and
+at the sequence_parallel_size it was saved with (its `layout`; mathkeys.layout_blocker says why).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import Any
 
 from longspec.training import runwriter
 from longspec.training.entry import TrainError
-from longspec_cli.core.mathkeys import differences, math_config, resume_blockers, show_changes
+from longspec_cli.core.mathkeys import differences, layout_blocker, math_config, resume_blockers, show_changes
 
 
 def decide_resume(out: runwriter.RunWriter, origin, conf: dict[str, Any]):
@@ -31,6 +32,11 @@ def decide_resume(out: runwriter.RunWriter, origin, conf: dict[str, Any]):
     if conf.get("force") or not complete:
         return None
     newest = complete[-1]
+    from longspec.training.rank import world_size
+
+    blocked = layout_blocker(newest.info.get("layout"), world_size(), int(conf.get("sequence_parallel_size") or 1))
+    if blocked:
+        raise TrainError(f"{out.dir}: checkpoint-{newest.step} cannot resume here: {blocked[0]}", hint=blocked[1])
     theirs = newest.info.get("config_sha256")
     if not origin.config_sha256 or not theirs or theirs == origin.config_sha256:
         return newest

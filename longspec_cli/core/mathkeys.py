@@ -4,6 +4,7 @@
     differences(theirs, ours)   the dotted keys whose values differ
     show_changes(theirs, ours, keys)   "key old -> new, ..." for a message
     resume_blockers(saved, ours, resume_schedule)   what keeps a checkpoint from being resumed
+    layout_blocker(saved_layout, world, sp)   why a checkpoint cannot resume on this many ranks / SP
 
 Math keys (model, data, optimiser, schedule, precision, seeds: everything not listed below) are
 what a checkpoint or a finished stage was trained with; a difference in any other key (saving,
@@ -71,3 +72,43 @@ def resume_blockers(saved: dict[str, Any], ours: dict[str, Any], resume_schedule
     other = [k for k in changed if k not in SCHEDULE_LENGTH_KEYS]
     schedule = [k for k in changed if k in SCHEDULE_LENGTH_KEYS and resume_schedule != "stretch"]
     return other, schedule
+
+
+def layout(world: int, sp: int) -> dict[str, int]:
+    """The ranks a checkpoint is saved on (its checkpoint.json `layout`)."""
+    return {"world_size": int(world), "sequence_parallel_size": int(sp), "data_parallel": int(world) // int(sp)}
+
+
+def layout_blocker(saved: Any, world: int | None, sp: int) -> tuple[str, str] | None:
+    """(why, hint) when a checkpoint saved on the layout ``saved`` (layout(): world size and SP)
+    cannot resume on ``world`` ranks at sequence_parallel_size ``sp``; None when it can, or when
+    either side is unknown (a checkpoint saved before checkpoints recorded it: DeepSpeed decides).
+
+    DeepSpeed 0.19's facts (deepspeed/runtime/engine.py): ZeRO's optimizer state (and at ZeRO-3
+    the weights) is partitioned over every rank, at SP > 1 too (the Ulysses mpu's SP x
+    data-parallel group), and a load on another number of ranks is refused ("Automatic adjustment
+    of ZeRO's optimizer state partitioning with a new world size is not currently supported");
+    under the Ulysses mpu each rank's files are named by its SP rank (the mpu's model-parallel
+    rank), so other SP finds other file names. On the same ranks, another SP is another number of
+    data-parallel ranks: each step would train on another number of sequences, and the sampler
+    and the position seeds follow the data-parallel rank. sequence_parallel_size stays a non-math
+    key (a finished stage is not trained again for it): it only pins the resume of a checkpoint."""
+    if not isinstance(saved, dict) or world is None:
+        return None
+    w0, sp0 = saved.get("world_size"), saved.get("sequence_parallel_size") or 1
+    if not isinstance(w0, int) or not isinstance(sp0, int):
+        return None
+    start_over = "force=true starts over (its checkpoints are removed), or choose another output_dir"
+    if w0 != world:
+        return (f"it was saved on {w0} rank(s) and this run has {world}: DeepSpeed's ZeRO state is "
+                f"partitioned over every rank (sequence-parallel ranks too) and DeepSpeed cannot "
+                f"repartition it", f"resume on {w0} rank(s) (--gpus / launch.gpus), at "
+                f"sequence_parallel_size={sp0}; {start_over}")
+    if sp0 != sp:
+        dp0, dp = w0 // sp0, world // max(sp, 1)
+        return (f"sequence_parallel_size {sp0} -> {sp} on the same {world} rank(s) makes {dp0} -> {dp} "
+                f"data-parallel rank(s): each step would train on {dp}/{dp0} of its sequences "
+                "(per_gpu_train_batch_size x gradient_accumulation_steps x data-parallel ranks), the "
+                "sampler and the position seeds follow the data-parallel rank, and DeepSpeed names "
+                "each rank's files by its SP rank", f"resume at sequence_parallel_size={sp0}; {start_over}")
+    return None

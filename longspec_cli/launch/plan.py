@@ -131,7 +131,7 @@ def file_state(path: Path) -> tuple | None:
     return st.st_mtime_ns, st.st_size, st.st_ino
 
 
-def plan_stages(manifest: Manifest, req: RunRequest) -> list[StagePlan]:
+def plan_stages(manifest: Manifest, req: RunRequest, world: int | None = None) -> list[StagePlan]:
     """What each stage this command runs will do (the stages in scope, in order).
 
     Every stage is first judged by its own record (core.status: its run's own overrides). Those
@@ -178,7 +178,7 @@ def plan_stages(manifest: Manifest, req: RunRequest) -> list[StagePlan]:
             plans.append(StagePlan(spec, "rerun" if runfolder.RunDir(spec.output_dir).exists() else "start",
                                    f"{spec.draft_from} runs first"))
         elif st.resume_step is not None and st.state in ("pending", "failed", "preempted"):
-            _check_resumable(manifest, spec, req.overrides)
+            _check_resumable(manifest, spec, req.overrides, world)
             plans.append(StagePlan(spec, "resume", f"from step {st.resume_step}", st.resume_step))
         else:
             plans.append(StagePlan(spec, "start", "failed before" if st.state == "failed" else ""))
@@ -222,11 +222,14 @@ def _stage_overrides(spec: StageSpec, overrides: list[str]) -> list[str]:
     return stage_overrides(spec.output_dir, overrides)
 
 
-def _check_resumable(manifest: Manifest, spec: StageSpec, overrides: list[str]) -> None:
-    """Refuse, as the trainer would, a resume whose math keys changed (the checkpoints are kept)."""
+def _check_resumable(manifest: Manifest, spec: StageSpec, overrides: list[str], world: int | None = None) -> None:
+    """Refuse, as the trainer would, a resume whose math keys changed, or on other ranks or another
+    sequence_parallel_size than its checkpoint's (``world``: the launch's ranks, None: unknown);
+    the checkpoints are kept."""
     from longspec_cli.core.mathkeys import math_config, resume_blockers, show_changes
 
     newest = runfolder.RunDir(spec.output_dir).checkpoints()[-1]
+    _check_layout(spec, overrides, newest, world)
     saved = newest.info.get("math")
     try:
         if newest.info.get("config_sha256") == runfolder.config_fingerprint(spec.config, overrides):
@@ -248,6 +251,20 @@ def _check_resumable(manifest: Manifest, spec: StageSpec, overrides: list[str]) 
             hint = f"resume_schedule=stretch resumes from checkpoint-{newest.step} on the new length; " + hint
         raise RefusedError(f"stage {spec.name} cannot resume checkpoint-{newest.step}: "
                            f"{show_changes(saved, ours, keys)} changed since it was saved", hint=hint)
+
+
+def _check_layout(spec: StageSpec, overrides: list[str], newest, world: int | None) -> None:
+    from longspec_cli.core.mathkeys import layout_blocker
+
+    saved = newest.info.get("layout")
+    if world is None or not isinstance(saved, dict):
+        return
+    c = composed(spec.config, tuple(_stage_overrides(spec, overrides)))
+    if not c.ok or c.missing:
+        return  # validation reports a stage that does not compose
+    blocked = layout_blocker(saved, world, int(c.data.get("sequence_parallel_size") or 1))
+    if blocked:
+        raise RefusedError(f"stage {spec.name} cannot resume checkpoint-{newest.step}: {blocked[0]}", hint=blocked[1])
 
 
 def _refuse_live(manifest: Manifest, spec: StageSpec, st) -> None:

@@ -106,11 +106,13 @@ def test_ds_config_counts_data_parallel_ranks_and_turns_zero3_reduce_scatter_off
 
 @pytest.mark.slow
 def test_the_trainer_at_sp2_on_two_ranks_trains_like_sp1_on_one(tmp_path):
-    """The loop's part (sampler and seeds by data-parallel rank, loss averaging, the engine's mpu):
-    the tiny long stage (ZeRO-3 + offload, CPU Adam), 3 steps, SP 2 on 2 ranks against 1 rank."""
+    """The loop's part (sampler and seeds by data-parallel rank, loss averaging, the engine's mpu,
+    tau while training): the tiny long stage (ZeRO-3 + offload, CPU Adam), 3 steps, SP 2 on 2 ranks
+    against 1 rank; tau at steps 0 and 3 (the target decodes under transformers' own attention)."""
     import torch
 
     from longspec.tiny import build_tiny
+    from longspec_cli.core import runfolder
     from tests.trainer.test_train import launch, show, write_project
 
     tiny = build_tiny(tmp_path / "tiny", family="qwen2")
@@ -118,11 +120,16 @@ def test_the_trainer_at_sp2_on_two_ranks_trains_like_sp1_on_one(tmp_path):
     runs = {}
     for name, ranks, extra in (("sp1", 1, []), ("sp2", 2, ["sequence_parallel_size=2"])):
         out = tmp_path / "proj" / "runs" / name
-        proc = launch(conf, "long", ranks, "max_steps=3", "save_steps=3", "eval_steps=0", f"output_dir={out}", *extra)
+        proc = launch(conf, "long", ranks, "max_steps=3", "save_steps=3", "eval_steps=3", f"output_dir={out}", *extra)
         assert proc.returncode == 0, show(proc)
         steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
         runs[name] = (proc, steps, torch.load(out / "draft_model_weights.pth"), (out / "training_config.yaml").read_text())
+        runs[name + "_tau"] = runfolder.read_metrics(out / "metrics.jsonl").simtau
     (_, one, w1, _), (proc, two, w2, resolved) = runs["sp1"], runs["sp2"]
+    assert "no simulated tau" not in proc.stdout
+    tau_keys = ("step", "tau", "alpha", "by_length", "blocks", "prompts", "records", "best")
+    taus = [[{k: r[k] for k in tau_keys} for r in runs[name + "_tau"]] for name in ("sp1", "sp2")]
+    assert [r["step"] for r in taus[0]] == [0, 3] and taus[1] == taus[0], taus
     assert [s["step"] for s in one] == [s["step"] for s in two] == [1, 2, 3]
     for a, b in zip(one, two):
         assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["llm_loss"] - b["llm_loss"]) < 1e-5, (a, b)
@@ -145,3 +152,25 @@ def test_preflight_refuses_head_counts_sp_cannot_split_before_any_weight_loads(m
     monkeypatch.setenv("WORLD_SIZE", "6")
     with pytest.raises(TrainError, match="does not divide the 6 ranks"):
         check_sequence_parallel({"sequence_parallel_size": 4}, qwen7b)
+
+
+def test_the_trainer_refuses_a_checkpoint_of_another_layout_before_anything_loads(tmp_path, monkeypatch):
+    """The trainer's side of mathkeys.layout_blocker (tests/cli/test_plan_records.py has the rule's wording)."""
+    from longspec.training import preflight, resume, runwriter
+    from longspec.training.entry import TrainError
+    from longspec_cli.core.mathkeys import layout
+
+    writer = runwriter.RunWriter(tmp_path)
+    path = writer.prepare_checkpoint(10)
+    writer.mark_checkpoint(path, {"step": 10, "config_sha256": "cfg", "layout": layout(2, 1)})
+    origin = preflight.Origin(exp_file=None, overrides=[], config_sha256="cfg")
+    conf = {"stage": "long", "force": False, "sequence_parallel_size": 1}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert resume.decide_resume(writer, origin, conf).step == 10
+    with pytest.raises(TrainError, match=r"checkpoint-10 cannot resume here: sequence_parallel_size 1 -> 2") as e:
+        resume.decide_resume(writer, origin, {**conf, "sequence_parallel_size": 2})
+    assert "resume at sequence_parallel_size=1" in str(e.value)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(TrainError, match=r"saved on 2 rank\(s\) and this run has 4"):
+        resume.decide_resume(writer, origin, conf)
+    assert resume.decide_resume(writer, origin, {**conf, "force": True}) is None and path.is_dir()
