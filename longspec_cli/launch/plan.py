@@ -223,26 +223,31 @@ def _stage_overrides(spec: StageSpec, overrides: list[str]) -> list[str]:
 
 
 def _check_resumable(manifest: Manifest, spec: StageSpec, overrides: list[str], world: int | None = None) -> None:
-    """Refuse, as the trainer would, a resume whose math keys changed, or on other ranks or another
-    sequence_parallel_size than its checkpoint's (``world``: the launch's ranks, None: unknown);
-    the checkpoints are kept."""
-    from longspec_cli.core.mathkeys import math_config, resume_blockers, show_changes
+    """Refuse, as the trainer would, a resume whose math keys changed, or on other ranks than its
+    checkpoint's, or at another sequence_parallel_size with other sequences per step (``world``:
+    the launch's ranks, None: unknown); the checkpoints are kept."""
+    from longspec_cli.core.mathkeys import batch_keys_free, layout_blocker, math_config, resume_blockers, show_changes
 
     newest = runfolder.RunDir(spec.output_dir).checkpoints()[-1]
-    _check_layout(spec, overrides, newest, world)
-    saved = newest.info.get("math")
+    saved, saved_layout = newest.info.get("math"), newest.info.get("layout")
     try:
-        if newest.info.get("config_sha256") == runfolder.config_fingerprint(spec.config, overrides):
-            return
+        same = newest.info.get("config_sha256") == runfolder.config_fingerprint(spec.config, overrides)
     except OSError:
         return  # a missing config is validation's to report
-    if not isinstance(saved, dict):
-        return  # saved before checkpoints named their math keys: the trainer decides
+    if same and (world is None or not isinstance(saved_layout, dict)):
+        return
     c = composed(spec.config, tuple(_stage_overrides(spec, overrides)))
     if not c.ok or c.missing:
         return  # validation reports a stage that does not compose
     ours = math_config(c.data)
-    other, schedule = resume_blockers(saved, ours, c.data.get("resume_schedule"))
+    sp = int(c.data.get("sequence_parallel_size") or 1)
+    blocked = layout_blocker(saved_layout, world, sp, saved if isinstance(saved, dict) else None, ours)
+    if blocked:
+        raise RefusedError(f"stage {spec.name} cannot resume checkpoint-{newest.step}: {blocked[0]}", hint=blocked[1])
+    if same or not isinstance(saved, dict):
+        return  # saved before checkpoints named their math keys: the trainer decides
+    other, schedule = resume_blockers(saved, ours, c.data.get("resume_schedule"),
+                                      batch_keys_free(saved_layout, world, sp))
     if other or schedule:
         keys = other or schedule
         hint = (f"set them back to resume from checkpoint-{newest.step} (the checkpoints are kept), or "
@@ -251,20 +256,6 @@ def _check_resumable(manifest: Manifest, spec: StageSpec, overrides: list[str], 
             hint = f"resume_schedule=stretch resumes from checkpoint-{newest.step} on the new length; " + hint
         raise RefusedError(f"stage {spec.name} cannot resume checkpoint-{newest.step}: "
                            f"{show_changes(saved, ours, keys)} changed since it was saved", hint=hint)
-
-
-def _check_layout(spec: StageSpec, overrides: list[str], newest, world: int | None) -> None:
-    from longspec_cli.core.mathkeys import layout_blocker
-
-    saved = newest.info.get("layout")
-    if world is None or not isinstance(saved, dict):
-        return
-    c = composed(spec.config, tuple(_stage_overrides(spec, overrides)))
-    if not c.ok or c.missing:
-        return  # validation reports a stage that does not compose
-    blocked = layout_blocker(saved, world, int(c.data.get("sequence_parallel_size") or 1))
-    if blocked:
-        raise RefusedError(f"stage {spec.name} cannot resume checkpoint-{newest.step}: {blocked[0]}", hint=blocked[1])
 
 
 def _refuse_live(manifest: Manifest, spec: StageSpec, st) -> None:
