@@ -97,6 +97,32 @@ def load_models(target: Path, draft: Path, sliding_window: int, dtype, device):
 
 # ----------------------------------------------------------------------------- main
 
+def check_memory(args, target: Path, max_seq: int, dtype, device) -> None:
+    """EvalError 3 before any weight loads when the longest length bucket known now (--lengths, or
+    the default buckets of max_seq; --bench's come from its prompts) cannot fit on ``device``
+    (longspec_cli.launch.evalmemory: weights + KV cache + prefill; free GPU memory or MemAvailable)."""
+    import torch
+
+    from longspec_cli.launch import evalmemory as EM
+    from longspec_cli.launch.memory import ModelSize
+
+    lengths = args.lengths or (None if args.bench else EM.default_lengths(max_seq))
+    try:
+        size = ModelSize.from_config_json(target / "config.json")
+    except (OSError, ValueError, TypeError):
+        return                                   # load_models says what is wrong with the target
+    if not lengths:
+        return
+    cuda = device.type == "cuda"
+    available = torch.cuda.mem_get_info(device)[0] if cuda else EM.cpu_available()
+    if available is None:
+        return
+    refused = EM.refusal(size, lengths, EM.default_max_new(max_seq, args.max_new_tokens), dtype.itemsize, available,
+                         "this GPU (free memory)" if cuda else "this machine's CPU memory (MemAvailable)", cuda)
+    if refused:
+        raise EvalError(refused[0], 1, hint=refused[1])
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m longspec.evaluate", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir", type=Path, help="the stage's output_dir")
@@ -243,6 +269,7 @@ def evaluate(args: argparse.Namespace, log=None) -> dict:
         torch.set_num_threads(args.threads)
     dtype = pick_dtype(args.dtype, device, _get(conf, "precision"))
     torch.use_deterministic_algorithms(True, warn_only=True)
+    check_memory(args, target, max_seq, dtype, device)
     model, tw, gdraft, tok = load_models(target, draft, window, dtype, device)
     limit = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
     try:

@@ -13,31 +13,11 @@ from __future__ import annotations
 
 import re
 
+# The buckets' rules live with the CLI's pre-launch memory check, which reads the same buckets.
+from longspec_cli.launch.evalmemory import MIN_BUCKETS, default_lengths, parse_lengths  # noqa: F401
+
 EVAL_NAME = "eval.json"
-MIN_BUCKETS = 2
 
-
-def parse_lengths(text: str) -> list[int]:
-    """'1k,4k,16k,32768' -> [1024, 4096, 16384, 32768] (ValueError for anything else)."""
-    out = []
-    for part in text.replace(" ", "").split(","):
-        m = re.fullmatch(r"(\d+)([kK]?)", part)
-        if not m or int(m.group(1)) < 1:
-            raise ValueError(f"{part!r} is not a token count (e.g. 512, 1k, 32k)")
-        out.append(int(m.group(1)) * (1024 if m.group(2) else 1))
-    return sorted(set(out))
-
-
-def default_lengths(max_seq: int) -> list[int]:
-    """Powers of two from 1k up to max_seq, and max_seq; halved from the bottom to two at least."""
-    out, n = [], 1024
-    while n < max_seq:
-        out.append(n)
-        n *= 2
-    out.append(max_seq)
-    while len(out) < MIN_BUCKETS and out[0] >= 16:
-        out.insert(0, out[0] // 2)
-    return out
 
 
 def bucket_of(tokens: int, lengths: list[int]) -> int | None:

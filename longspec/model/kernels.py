@@ -2,7 +2,8 @@
 
 - ``attention``: causal attention with an optional sliding window (draft self-attention) and an
   optional lag (draft cross-attention onto the target's K/V). flash-attn on CUDA when installed,
-  otherwise torch SDPA with an explicit boolean mask, chunked over queries.
+  otherwise torch SDPA with an explicit boolean mask, chunked over queries (on the CPU in
+  training, each chunk checkpointed: its mask and weights are rebuilt in backward, not kept).
 - ``linear_cross_entropy``: next-token loss straight from hidden states and the lm_head weight,
   in fp32, without ever holding the full (N, V) logits. Liger's fused kernel on CUDA when
   installed, otherwise a chunked autograd Function.
@@ -235,8 +236,21 @@ def _sdpa_attention(q, k, v, causal, window, lag, key_padding_mask, scale, q_chu
         t1 = min(T, t0 + q_chunk)
         lo = 0 if window is None else max(0, t0 - lag - window)       # first key any query here sees
         hi = min(S, t1 - lag)                                          # one past the last one
-        pieces.append(_sdpa_chunk(q, k, v, t0, t1, lo, hi, window, lag, key_padding_mask, scale))
+        pieces.append(_chunk_call(q, k, v, t0, t1, lo, hi, window, lag, key_padding_mask, scale))
     return torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
+
+
+def _chunk_call(q, k, v, *args):
+    """One query chunk. On the CPU under autograd through activation checkpointing: SDPA keeps the
+    chunk's mask (as floats) and its attention weights for backward, which over all chunks covers
+    g x T x keys whatever the heads (so sequence parallelism cut nothing there); checkpointed, a
+    call keeps only q, k, v (held anyway) and rebuilds one chunk at a time in backward: the same
+    values, one more forward per chunk."""
+    if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(_sdpa_chunk, q, k, v, *args, use_reentrant=False)
+    return _sdpa_chunk(q, k, v, *args)
 
 
 def attention_rows(q, k, v, start: int, *, window: int | None = None, lag: int = 0,

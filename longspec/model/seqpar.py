@@ -14,9 +14,14 @@ sequence (T/SP tokens). Shapes: B batch, T global tokens, Tl = T / SP local toke
     loss: the rank's CE sum / the group's token count (local_share), so the SP ranks' gradients
       sum to the full sequence's gradient; DeepSpeed's reduction sums over SP (ZeRO 0/1/2; ZeRO-3
       with reduce_scatter false, see longspec.training.dsconfig) and averages over data parallel.
+    tau while training (longspec.training.simtau): each rank decodes its own prompts whole, so it
+      runs inside plain_attention(), which puts transformers' own attention functions back in
+      place of the hook; the draft's evaluation (chainwalk.draft_all_lags) calls kernels directly
+      and never goes through SeqParallel.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +31,7 @@ import torch.nn.functional as F
 from longspec.model import kernels
 
 IGNORE = -100
+_HOOKED: dict[str, tuple[Any, Any]] = {}   # attn implementation -> (transformers' own function, Ulysses' hook)
 
 
 @dataclass
@@ -55,14 +61,41 @@ def register_target(hf_model, sequence_parallel_size: int, micro_batch_size: int
     sdpa attention (Ulysses refuses eager)."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     impl = getattr(hf_model.config, "_attn_implementation", None) or "sdpa"
+    own = ALL_ATTENTION_FUNCTIONS[impl] if impl in ALL_ATTENTION_FUNCTIONS else None
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=hf_model, core_attn_implementation=impl,
         sequence_parallel_size=sequence_parallel_size, micro_batch_size=micro_batch_size,
         seq_length_is_variable=True)
+    hook = ALL_ATTENTION_FUNCTIONS[impl]
+    if own is None:                 # a hub kernel, registered by the call above: the function it wraps
+        own = next(c.cell_contents.attn for c in hook.__closure__ or ()
+                   if isinstance(c.cell_contents, UlyssesSPAttentionHF))
+    _HOOKED[impl] = (own, hook)
     sp = SeqParallel(mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank(),
                      mpu.get_sequence_parallel_world_size(), rows=micro_batch_size)
     return mpu, sp
+
+
+@contextmanager
+def plain_attention():
+    """Inside the block, transformers' own attention in place of Ulysses' process-global hook (a
+    no-op without one): for forwards that see whole sequences on one rank, such as the tau
+    evaluation's decoding. The hook is back on leaving, also on an error."""
+    if not _HOOKED:
+        yield
+        return
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for impl, (own, _) in _HOOKED.items():
+        ALL_ATTENTION_FUNCTIONS[impl] = own
+    try:
+        yield
+    finally:
+        for impl, (_, hook) in _HOOKED.items():
+            ALL_ATTENTION_FUNCTIONS[impl] = hook
 
 
 # ----------------------------------------------------------------------------- the batch
@@ -145,4 +178,4 @@ def local_share(hidden, weight, shifted_labels, sp: SeqParallel, chunk_size=None
     return mean * (n_local / n_all.clamp(min=1))
 
 
-__all__ = ["SeqParallel", "Shards", "register_target", "prepare", "attention", "local_share"]
+__all__ = ["SeqParallel", "Shards", "register_target", "plain_attention", "prepare", "attention", "local_share"]

@@ -21,7 +21,7 @@ from longspec.training.preflight import (DTYPES, Origin, Preflight, config_origi
                                 training_config_yaml, wants_offload)
 from longspec.training.resume import decide_resume
 from longspec_cli.core import runfolder
-from longspec_cli.core.mathkeys import math_config
+from longspec_cli.core.mathkeys import layout, math_config
 
 # ----------------------------------------------------------------------------- the run
 
@@ -101,13 +101,7 @@ class Session:
         if self.world % self.sp:
             raise TrainError(f"sequence_parallel_size = {self.sp} does not divide the {self.world} ranks")
         self.dp_rank, self.dp_world = self.rank // self.sp, self.world // self.sp
-        tau_conf = conf
-        if self.sp > 1 and conf["eval_steps"]:
-            # The Ulysses hook shards every transformers attention of the process (decoding too).
-            tau_conf = {**conf, "eval_steps": 0}
-            print0(f"[{conf['stage']}] note: sequence_parallel_size = {self.sp}: no simulated tau while "
-                   "training (eval_steps ignored); run `longspec eval` on the stage")
-        self.simtau = simtau.SimTau(tau_conf, self.pre.dataset, self.out, self.rank, self.world,
+        self.simtau = simtau.SimTau(conf, self.pre.dataset, self.out, self.rank, self.world,
                                     resume_from is not None)
         self.dataset, self.pad_id = self.simtau.train_part, self.pre.tokenizer.pad_token_id
         self.per_epoch = len(self._loader(epoch=0, skip=0))
@@ -356,7 +350,7 @@ class Session:
             self.out.mark_checkpoint(path, {"step": self.step, "total_steps": self.total,
                                             "loss": self.last_loss, "stage": self.conf["stage"],
                                             "config_sha256": self.origin.config_sha256,
-                                            "math": math_config(self.conf)})
+                                            "math": math_config(self.conf), "layout": layout(self.world, self.sp)})
             self.out.rotate(self.conf["save_total_limit"], self.step)
             self.out.event("checkpoint", self.step, path=str(path))
         self.saved = (self.step, state)

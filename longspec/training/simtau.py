@@ -14,7 +14,8 @@ The figure, every `eval_steps` optimizer steps (and at step 0 and the last step)
 from the training_config.yaml eval reads), the target's greedy continuation of each (made once per
 run, kept in continuations.json), and the block walk of greedy chain decoding over the draft's
 teacher-forced guesses at lags 1..eval_gamma (longspec.measure.chainwalk). Each rank walks its share of the
-prompts; the counts are all-reduced, and every rank runs the same number of forwards (ZeRO-3
+prompts (at sequence_parallel_size > 1 too: whole prompts, the target under transformers' own
+attention, longspec.model.seqpar.plain_attention); the counts are all-reduced, and every rank runs the same number of forwards (ZeRO-3
 gathers parameters in each one). Rank 0 writes one `{"record": "simtau", ...}` metrics line (tau,
 tau by length bucket, the acceptance rate at each draft position), and, when tau beats the best
 so far, the draft into best/ and best.json (its step, tau and sha256) after it. A resume from a
@@ -258,14 +259,18 @@ class SimTau:
         self.redo = False
         from longspec.measure import chainwalk
 
+        from longspec.model.seqpar import plain_attention
+
         t0, first = time.time(), self.prompts is None
-        if first:
-            self._prepare(session)
-            if not self.enabled:
-                return False
-        t1 = time.time()
-        counts = chainwalk.chain_counts(self._parts(session), self.prompts, self.conts, self.lengths, self.gamma,
-                                        session.engine.device, self.rank, self.world, self.batch, self.frozen)
+        with plain_attention():                      # SP: each rank decodes its prompts whole
+            if first:
+                self._prepare(session)
+                if not self.enabled:
+                    return False
+            t1 = time.time()
+            counts = chainwalk.chain_counts(self._parts(session), self.prompts, self.conts, self.lengths,
+                                            self.gamma, session.engine.device, self.rank, self.world, self.batch,
+                                            self.frozen)
         import torch
 
         torch.distributed.all_reduce(counts)

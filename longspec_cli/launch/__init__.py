@@ -14,6 +14,7 @@ Nothing here imports torch, deepspeed, transformers or hydra: the launcher is a 
   nodes.py     a run on several nodes over ssh: each node's command and environment, per-host requests
   fanout.py    the leader of such a run (`python -m longspec_cli.launch.fanout`): probe, start, stop, check
   memory.py    per-GPU memory estimate of a stage (pure arithmetic)
+  evalmemory.py  whether `eval`'s longest length bucket fits on its device (target KV cache, weights)
   disk.py      disk estimate of a stage's checkpoints and weights (pure arithmetic)
   prepare.py   a stage's prepared-data state with overrides; `python -m longspec.prepare` runs
 """

@@ -38,7 +38,7 @@ def prepare(req: RunRequest, console: Console) -> tuple[Manifest, list[StagePlan
     check_overrides(first, req.overrides)
     placement = resolve_placement(manifest, req.placement)
     res = A.resolve_resources(placement, A.detect_gpus(), manifest.launch.gpus, force=req.force)
-    plans = plan_stages(manifest, req)
+    plans = plan_stages(manifest, req, res.world_size)
     return manifest, plans, placement, res
 
 

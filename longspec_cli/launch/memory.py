@@ -14,7 +14,8 @@ Sequence parallel (`sequence_parallel_size` SP): each GPU holds T/SP tokens of e
 inside attention, all T tokens of nh/SP heads: the same size), so phases A and B divide by SP;
 the persistent part does not (ZeRO still partitions over the whole world), nor does the SDPA
 path's mask: one (g*T, keys) mask per call, shared by the KV heads, over the whole sequence
-(measured: bench/bench_sp.py on the CPU), so SP pays off with flash-attn.
+(on CUDA; on the CPU, in training, longspec/model/kernels.py checkpoints
+the chunks instead of keeping their masks), so SP pays off with flash-attn.
 
 The layer shapes follow longspec/model/glide.py (self-attn + cross-attn with q/k/v biases, SwiGLU MLP,
 three RMSNorms; the cross-attn k/v projections are frozen) and longspec/model/kernels.py (SDPA chunked

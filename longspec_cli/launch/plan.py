@@ -131,7 +131,7 @@ def file_state(path: Path) -> tuple | None:
     return st.st_mtime_ns, st.st_size, st.st_ino
 
 
-def plan_stages(manifest: Manifest, req: RunRequest) -> list[StagePlan]:
+def plan_stages(manifest: Manifest, req: RunRequest, world: int | None = None) -> list[StagePlan]:
     """What each stage this command runs will do (the stages in scope, in order).
 
     Every stage is first judged by its own record (core.status: its run's own overrides). Those
@@ -178,7 +178,7 @@ def plan_stages(manifest: Manifest, req: RunRequest) -> list[StagePlan]:
             plans.append(StagePlan(spec, "rerun" if runfolder.RunDir(spec.output_dir).exists() else "start",
                                    f"{spec.draft_from} runs first"))
         elif st.resume_step is not None and st.state in ("pending", "failed", "preempted"):
-            _check_resumable(manifest, spec, req.overrides)
+            _check_resumable(manifest, spec, req.overrides, world)
             plans.append(StagePlan(spec, "resume", f"from step {st.resume_step}", st.resume_step))
         else:
             plans.append(StagePlan(spec, "start", "failed before" if st.state == "failed" else ""))
@@ -222,24 +222,32 @@ def _stage_overrides(spec: StageSpec, overrides: list[str]) -> list[str]:
     return stage_overrides(spec.output_dir, overrides)
 
 
-def _check_resumable(manifest: Manifest, spec: StageSpec, overrides: list[str]) -> None:
-    """Refuse, as the trainer would, a resume whose math keys changed (the checkpoints are kept)."""
-    from longspec_cli.core.mathkeys import math_config, resume_blockers, show_changes
+def _check_resumable(manifest: Manifest, spec: StageSpec, overrides: list[str], world: int | None = None) -> None:
+    """Refuse, as the trainer would, a resume whose math keys changed, or on other ranks than its
+    checkpoint's, or at another sequence_parallel_size with other sequences per step (``world``:
+    the launch's ranks, None: unknown); the checkpoints are kept."""
+    from longspec_cli.core.mathkeys import batch_keys_free, layout_blocker, math_config, resume_blockers, show_changes
 
     newest = runfolder.RunDir(spec.output_dir).checkpoints()[-1]
-    saved = newest.info.get("math")
+    saved, saved_layout = newest.info.get("math"), newest.info.get("layout")
     try:
-        if newest.info.get("config_sha256") == runfolder.config_fingerprint(spec.config, overrides):
-            return
+        same = newest.info.get("config_sha256") == runfolder.config_fingerprint(spec.config, overrides)
     except OSError:
         return  # a missing config is validation's to report
-    if not isinstance(saved, dict):
-        return  # saved before checkpoints named their math keys: the trainer decides
+    if same and (world is None or not isinstance(saved_layout, dict)):
+        return
     c = composed(spec.config, tuple(_stage_overrides(spec, overrides)))
     if not c.ok or c.missing:
         return  # validation reports a stage that does not compose
     ours = math_config(c.data)
-    other, schedule = resume_blockers(saved, ours, c.data.get("resume_schedule"))
+    sp = int(c.data.get("sequence_parallel_size") or 1)
+    blocked = layout_blocker(saved_layout, world, sp, saved if isinstance(saved, dict) else None, ours)
+    if blocked:
+        raise RefusedError(f"stage {spec.name} cannot resume checkpoint-{newest.step}: {blocked[0]}", hint=blocked[1])
+    if same or not isinstance(saved, dict):
+        return  # saved before checkpoints named their math keys: the trainer decides
+    other, schedule = resume_blockers(saved, ours, c.data.get("resume_schedule"),
+                                      batch_keys_free(saved_layout, world, sp))
     if other or schedule:
         keys = other or schedule
         hint = (f"set them back to resume from checkpoint-{newest.step} (the checkpoints are kept), or "

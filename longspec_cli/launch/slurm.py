@@ -328,7 +328,7 @@ def write_slurm(req, opts: SlurmOptions | None = None, *, submit: bool, out=None
     if nodes < 1 or ranks < 1:
         raise UsageError("--num-nodes and --gpus must be at least 1 (--gpus 0: CPU nodes, one rank each)")
     res = A.Resources(cpu=cpu, ranks_per_node=ranks, nodes=nodes)
-    plans = plan.plan_stages(manifest, req)
+    plans = plan.plan_stages(manifest, req, res.world_size)
     todo = [pl for pl in plans if pl.action != "skip"]
     if not todo:
         console.say("nothing to do: every stage is done with an unchanged config")

@@ -23,9 +23,9 @@ from longspec_cli.launch import plan
 from tests.cli.conftest import finish_stage, write_checkpoint, write_metrics
 
 
-def _plan(project, stage=None, *overrides, all_=False):
+def _plan(project, stage=None, *overrides, all_=False, world=None):
     req = plan.RunRequest(project=project.root, stage=stage, all=all_, overrides=list(overrides))
-    return [(p.spec.name, p.action, p.reason) for p in plan.plan_stages(load_manifest(project.root), req)]
+    return [(p.spec.name, p.action, p.reason) for p in plan.plan_stages(load_manifest(project.root), req, world)]
 
 
 def _chain(project, stage):
@@ -33,8 +33,9 @@ def _chain(project, stage):
     project.set_draft_key(stage, str(project.weights(up)))
 
 
-def _interrupt(project, stage, step, overrides):
-    """An interrupted run of `stage` with `overrides`: a complete checkpoint that names its math keys."""
+def _interrupt(project, stage, step, overrides, layout=None):
+    """An interrupted run of `stage` with `overrides`: a complete checkpoint that names its math keys
+    (and the ranks it was saved on, `layout`)."""
     out = project.out(stage)
     write_metrics(out, step, 60, end=False)
     ck = write_checkpoint(out, step)
@@ -42,7 +43,7 @@ def _interrupt(project, stage, step, overrides):
     assert c.ok, c.problems
     (ck / "checkpoint.json").write_text(json.dumps({
         "step": step, "config_sha256": config_fingerprint(project.config(stage), overrides),
-        "math": math_config(c.data)}))
+        "math": math_config(c.data), **({"layout": layout} if layout else {})}))
     (out / "run.json").write_text(json.dumps({"kind": "local", "pid": 999_999_999, "pgid": 999_999_999,
                                               "host": socket.gethostname(), "proc_start": 1, "overrides": overrides,
                                               "returncode": 5}))
@@ -85,6 +86,56 @@ def test_an_interrupted_stage_resumes_with_other_overrides_and_is_refused_when_m
         _plan(project, "long", "max_steps=80")
     assert "max_steps" in e.value.message and "resume_schedule=stretch" in e.value.hint
     assert _plan(project, "long", "max_steps=80", "resume_schedule=stretch")[0][1] == "resume"
+
+
+def test_a_checkpoint_resumes_on_its_ranks_at_another_sp_only_with_the_same_sequences_per_step():
+    from longspec_cli.core.mathkeys import batch_keys_free, layout, layout_blocker, resume_blockers
+
+    two_sp1 = layout(2, 1)
+    assert two_sp1 == {"world_size": 2, "sequence_parallel_size": 1, "data_parallel": 2}
+    math = {"per_gpu_train_batch_size": 1, "gradient_accumulation_steps": 2, "learning_rate": 1e-3}
+    assert layout_blocker(two_sp1, 2, 1, math, math) is None
+    assert layout_blocker(None, 8, 4, math, math) is None and layout_blocker(two_sp1, None, 2, math, math) is None
+    # SP 1 -> 2 on the same 2 ranks: 1 data-parallel rank, so 2 sequences per step instead of 4
+    why, hint = layout_blocker(two_sp1, 2, 2, math, math)
+    assert ("sequence_parallel_size 1 -> 2 on the same 2 rank(s) makes 2 -> 1 data-parallel rank(s), so each "
+            "step would train on 2 sequences instead of 4") in why
+    assert hint.startswith("gradient_accumulation_steps=4 keeps 4 sequences per step") and "sequence_parallel_size=1" in hint
+    # ... which gradient_accumulation_steps=4 keeps: DeepSpeed reloads, and the batch keys may differ
+    ga4 = {**math, "gradient_accumulation_steps": 4}
+    assert layout_blocker(two_sp1, 2, 2, math, ga4) is None and batch_keys_free(two_sp1, 2, 2)
+    assert resume_blockers(math, ga4, None, batch_free=True) == ([], [])
+    ds = {"ds_cfg.gradient_accumulation_steps": 2, "ds_cfg.train_micro_batch_size_per_gpu": 1}  # DeepSpeed's copies
+    assert resume_blockers({**math, **ds}, {**ga4, **ds, "ds_cfg.gradient_accumulation_steps": 4}, None,
+                           batch_free=True) == ([], [])
+    assert resume_blockers(math, ga4, None) == (["gradient_accumulation_steps"], [])     # same SP: math
+    assert resume_blockers(math, {**ga4, "learning_rate": 2e-3}, None, batch_free=True)[0] == ["learning_rate"]
+    assert not batch_keys_free(two_sp1, 2, 1) and not batch_keys_free(two_sp1, 4, 2)
+    # another world size: DeepSpeed cannot repartition ZeRO's state, whatever the SP
+    why, hint = layout_blocker(layout(8, 4), 16, 4, math, math)
+    assert "saved on 8 rank(s) and this run has 16" in why and "cannot repartition" in why
+    assert "resume on 8 rank(s)" in hint and "force=true" in hint
+
+
+def test_the_planner_refuses_a_resume_on_other_ranks_or_another_sp_before_launch(project, drafts):
+    finish_stage(project, "base", drafts["0"], overrides=["max_steps=4"], math=True)
+    _chain(project, "long")
+    _interrupt(project, "long", 10, ["max_steps=60", "gradient_accumulation_steps=2"],
+               layout={"world_size": 2, "sequence_parallel_size": 1, "data_parallel": 2})
+    ok = [("long", "resume", "from step 10")]
+    assert _plan(project, "long", "max_steps=60", "gradient_accumulation_steps=2", world=2) == ok
+    assert _plan(project, "long", "max_steps=60", "gradient_accumulation_steps=2") == ok   # ranks unknown
+    with pytest.raises(RefusedError) as e:
+        _plan(project, "long", "max_steps=60", "gradient_accumulation_steps=2", "sequence_parallel_size=2", world=2)
+    assert "cannot resume checkpoint-10: sequence_parallel_size 1 -> 2" in e.value.message
+    assert "gradient_accumulation_steps=4 keeps" in e.value.hint
+    # the same sequences per step at SP 2: it resumes
+    assert _plan(project, "long", "max_steps=60", "gradient_accumulation_steps=4", "sequence_parallel_size=2",
+                 world=2) == ok
+    with pytest.raises(RefusedError) as e:
+        _plan(project, "long", "max_steps=60", "gradient_accumulation_steps=2", world=4)
+    assert "saved on 2 rank(s) and this run has 4" in e.value.message
+    assert (project.out("long") / "checkpoint-10" / "checkpoint.json").is_file()
 
 
 def test_a_stage_whose_upstream_is_not_done_and_not_in_scope_is_refused_with_the_reason(project, drafts):

@@ -192,3 +192,28 @@ def test_decoding_stops_at_the_end_of_turn_or_the_eos():
     assert _finish([5, 6], 10, (0, 2)) == ([5, 6], False)
     assert _finish([5, 6, 7], 2, 0) == ([5, 6], True)             # one id, as before
     assert _finish([5, 0], 10, None) == ([5, 0], False)
+
+
+def test_evaluate_refuses_a_bucket_the_device_cannot_hold_before_any_weight_loads(tmp_path, monkeypatch, capsys):
+    """longspec.evaluate's own check (the CLI's is tests/cli/test_eval_memory.py): the target folder
+    has a config.json and no weights, so a refusal after loading would read differently."""
+    import json
+
+    from longspec import evaluate
+    from longspec_cli.launch import evalmemory
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256}))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "training_config.yaml").write_text(f"stage: long\nmodel_name_or_path: {target}\nprecision: bf16\n"
+                                              "data:\n  max_seq_length: 131072\n")
+    (run / "draft.pth").write_bytes(b"x")
+    monkeypatch.setattr(evalmemory, "cpu_available", lambda: 64 * 1024 ** 3)
+    code = evaluate.main([str(run), "--draft", str(run / "draft.pth"), "--device", "cpu", "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 1 and out["error"].startswith("the 128k length bucket needs about")
+    assert "64.0 GiB is available" in out["error"] and out["hint"].startswith("--lengths 1k,2k,4k,8k,16k,32k ")

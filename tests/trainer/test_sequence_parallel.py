@@ -106,11 +106,13 @@ def test_ds_config_counts_data_parallel_ranks_and_turns_zero3_reduce_scatter_off
 
 @pytest.mark.slow
 def test_the_trainer_at_sp2_on_two_ranks_trains_like_sp1_on_one(tmp_path):
-    """The loop's part (sampler and seeds by data-parallel rank, loss averaging, the engine's mpu):
-    the tiny long stage (ZeRO-3 + offload, CPU Adam), 3 steps, SP 2 on 2 ranks against 1 rank."""
+    """The loop's part (sampler and seeds by data-parallel rank, loss averaging, the engine's mpu,
+    tau while training): the tiny long stage (ZeRO-3 + offload, CPU Adam), 3 steps, SP 2 on 2 ranks
+    against 1 rank; tau at steps 0 and 3 (the target decodes under transformers' own attention)."""
     import torch
 
     from longspec.tiny import build_tiny
+    from longspec_cli.core import runfolder
     from tests.trainer.test_train import launch, show, write_project
 
     tiny = build_tiny(tmp_path / "tiny", family="qwen2")
@@ -118,17 +120,45 @@ def test_the_trainer_at_sp2_on_two_ranks_trains_like_sp1_on_one(tmp_path):
     runs = {}
     for name, ranks, extra in (("sp1", 1, []), ("sp2", 2, ["sequence_parallel_size=2"])):
         out = tmp_path / "proj" / "runs" / name
-        proc = launch(conf, "long", ranks, "max_steps=3", "save_steps=3", "eval_steps=0", f"output_dir={out}", *extra)
+        proc = launch(conf, "long", ranks, "max_steps=3", "save_steps=3", "eval_steps=3", f"output_dir={out}", *extra)
         assert proc.returncode == 0, show(proc)
         steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
         runs[name] = (proc, steps, torch.load(out / "draft_model_weights.pth"), (out / "training_config.yaml").read_text())
+        runs[name + "_tau"] = runfolder.read_metrics(out / "metrics.jsonl").simtau
     (_, one, w1, _), (proc, two, w2, resolved) = runs["sp1"], runs["sp2"]
+    assert "no simulated tau" not in proc.stdout
+    tau_keys = ("step", "tau", "alpha", "by_length", "blocks", "prompts", "records", "best")
+    taus = [[{k: r[k] for k in tau_keys} for r in runs[name + "_tau"]] for name in ("sp1", "sp2")]
+    assert [r["step"] for r in taus[0]] == [0, 3] and taus[1] == taus[0], taus
     assert [s["step"] for s in one] == [s["step"] for s in two] == [1, 2, 3]
     for a, b in zip(one, two):
         assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["llm_loss"] - b["llm_loss"]) < 1e-5, (a, b)
     assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-6
     assert "sequence_parallel_size: 2" in resolved and "reduce_scatter: false" in resolved
     assert "(sequence parallel 2: 1 data-parallel)" in proc.stdout
+
+    # Resume at another SP (mathkeys.layout_blocker): 2 ranks at SP 1 (2 data-parallel x 2 accumulation)
+    # to step 3, checkpoint at 2; a copy without step 3 resumes at SP 2 (1 data-parallel x 4: the same
+    # 4 sequences per step, the same records) and trains step 3 like the uninterrupted run. Plain
+    # positions and no lag noise: those draws follow the data-parallel rank.
+    import shutil
+
+    same = ["max_steps=3", "save_steps=2", "eval_steps=0", "positions.mode=plain", "cross_attn_lag=0"]
+    ref, res = tmp_path / "proj" / "runs" / "dp2", tmp_path / "proj" / "runs" / "resumed"
+    proc = launch(conf, "long", 2, *same, f"output_dir={ref}")
+    assert proc.returncode == 0, show(proc)
+    shutil.copytree(ref, res, ignore=shutil.ignore_patterns("checkpoint-3", "metrics.jsonl", "stage_complete.json",
+                                                            "draft_model_weights.pth"))
+    proc = launch(conf, "long", 2, *same, f"output_dir={res}", "sequence_parallel_size=2", "gradient_accumulation_steps=4")
+    assert proc.returncode == 0, show(proc)
+    assert "sequence_parallel_size 1 -> 2 with the same sequences per step (gradient_accumulation_steps 2 -> 4)" \
+        in proc.stdout and "resumed from" in proc.stdout, show(proc)
+    a, b = ({s["step"]: s for s in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()) if "loss" in s}
+            for d in (ref, res))
+    assert sorted(b) == [3] and abs(a[3]["loss"] - b[3]["loss"]) < 1e-5 and abs(a[3]["llm_loss"] - b[3]["llm_loss"]) < 1e-5
+    wa, wb = (torch.load(d / "draft_model_weights.pth") for d in (ref, res))
+    resume_diff = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+    assert resume_diff < 1e-5, resume_diff
 
 
 def test_preflight_refuses_head_counts_sp_cannot_split_before_any_weight_loads(monkeypatch):
@@ -145,3 +175,33 @@ def test_preflight_refuses_head_counts_sp_cannot_split_before_any_weight_loads(m
     monkeypatch.setenv("WORLD_SIZE", "6")
     with pytest.raises(TrainError, match="does not divide the 6 ranks"):
         check_sequence_parallel({"sequence_parallel_size": 4}, qwen7b)
+
+
+def test_the_trainer_refuses_a_checkpoint_of_another_layout_before_anything_loads(tmp_path, monkeypatch, capsys):
+    """The trainer's side of mathkeys.layout_blocker (tests/cli/test_plan_records.py has the rule's wording)."""
+    from longspec.training import preflight, resume, runwriter
+    from longspec.training.entry import TrainError
+    from longspec_cli.core.mathkeys import layout, math_config
+
+    conf = {"stage": "long", "force": False, "sequence_parallel_size": 1, "per_gpu_train_batch_size": 1,
+            "gradient_accumulation_steps": 2, "learning_rate": 1e-3}
+    writer = runwriter.RunWriter(tmp_path)
+    path = writer.prepare_checkpoint(10)
+    writer.mark_checkpoint(path, {"step": 10, "config_sha256": "cfg", "layout": layout(2, 1), "math": math_config(conf)})
+    origin = preflight.Origin(exp_file=None, overrides=[], config_sha256="cfg")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert resume.decide_resume(writer, origin, conf).step == 10
+    other = preflight.Origin(exp_file=None, overrides=[], config_sha256="sp2")
+    with pytest.raises(TrainError, match=r"checkpoint-10 cannot resume here: sequence_parallel_size 1 -> 2") as e:
+        resume.decide_resume(writer, other, {**conf, "sequence_parallel_size": 2})
+    assert "gradient_accumulation_steps=4 keeps 4 sequences per step" in str(e.value)
+    sp2 = {**conf, "sequence_parallel_size": 2, "gradient_accumulation_steps": 4}
+    assert resume.decide_resume(writer, other, sp2).step == 10
+    assert "sequence_parallel_size 1 -> 2 with the same sequences per step (gradient_accumulation_steps 2 -> 4)" \
+        in capsys.readouterr().out
+    with pytest.raises(TrainError, match="learning_rate"):                  # the batch keys only
+        resume.decide_resume(writer, other, {**sp2, "learning_rate": 2e-3})
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(TrainError, match=r"saved on 2 rank\(s\) and this run has 4"):
+        resume.decide_resume(writer, origin, conf)
+    assert resume.decide_resume(writer, origin, {**conf, "force": True}) is None and path.is_dir()
