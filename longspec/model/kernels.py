@@ -3,7 +3,8 @@
 - ``attention``: causal attention with an optional sliding window (draft self-attention) and an
   optional lag (draft cross-attention onto the target's K/V). flash-attn on CUDA when installed,
   otherwise torch SDPA with an explicit boolean mask, chunked over queries (on the CPU in
-  training, each chunk checkpointed: its mask and weights are rebuilt in backward, not kept).
+  training, when a sequence spans several chunks, each is checkpointed: its mask and weights are
+  rebuilt in backward, not kept).
 - ``linear_cross_entropy``: next-token loss straight from hidden states and the lm_head weight,
   in fp32, without ever holding the full (N, V) logits. Liger's fused kernel on CUDA when
   installed, otherwise a chunked autograd Function.
@@ -232,11 +233,13 @@ def _sdpa_attention(q, k, v, causal, window, lag, key_padding_mask, scale, q_chu
         q_chunk = _SDPA_SCORE_BUDGET // max(1, B * nh * 2 * keys_per_query)
     q_chunk = max(16, int(q_chunk))
     pieces = [q.new_zeros(B, nh, first, hd)] if first else []
+    # one chunk: its scores fit the budget, kept for backward as they are; several: checkpointed
+    call = _chunk_call if T - first > q_chunk else _sdpa_chunk
     for t0 in range(first, T, q_chunk):
         t1 = min(T, t0 + q_chunk)
         lo = 0 if window is None else max(0, t0 - lag - window)       # first key any query here sees
         hi = min(S, t1 - lag)                                          # one past the last one
-        pieces.append(_chunk_call(q, k, v, t0, t1, lo, hi, window, lag, key_padding_mask, scale))
+        pieces.append(call(q, k, v, t0, t1, lo, hi, window, lag, key_padding_mask, scale))
     return torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
 
 
