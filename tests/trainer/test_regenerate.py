@@ -143,16 +143,22 @@ def test_embedded_run_writes_trainable_ordered_rows(embedded, work, tok):
 
 def test_kill_9_then_rerun_gives_the_uninterrupted_rows(embedded, work):
     out = work / "out-killed"
-    proc = subprocess.Popen(cmd(work, "cot", out, "--shard-rows", "3", "--batch", "4"), cwd=work, env=env(work),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 300
-    while not S.shards(out) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(random.uniform(0, 0.5))
-    assert proc.poll() is None, "the run ended before the kill"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert S.shards(out)[-1][1] < COT_RECORDS                          # killed halfway
+    kills, cut = 0, []
+    for _ in range(2):        # killed at a random moment, then killed again in the run that resumes
+        before = len(S.shards(out))
+        proc = subprocess.Popen(cmd(work, "cot", out, "--shard-rows", "3", "--batch", "4"), cwd=work,
+                                env=env(work), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 300
+        while len(S.shards(out)) <= before and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(random.uniform(0, 0.5))
+        if proc.poll() is not None:
+            break             # the resumed run finished first: the final rerun below checks it all
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        kills += 1
+        cut.append(S.shards(out)[-1][1])
+    assert kills >= 1 and cut[0] < COT_RECORDS, (kills, cut)           # the first kill came halfway
     r = regenerate(work, "cot", out, "--shard-rows", "3", "--batch", "4")
     assert r["complete"] and not list(out.glob(".part-*"))
     assert rows_of(out) == embedded["rows"]
