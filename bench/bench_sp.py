@@ -13,8 +13,8 @@ on the CPU the peak RSS (getrusage) above the RSS before the first step, both th
 the ranks. Step time: the median of --steps timed steps. On one GPU both SP 2 ranks share it
 (gloo, whose all-to-all copies through host memory): the memory figure holds, the time does not.
 On the CPU the draft's attention takes the reference path (chunked SDPA with a boolean mask of
-g x T x keys per call); in training each chunk is checkpointed, so the masks (floats inside SDPA)
-are no longer kept for backward. SP 2 still does not lower the CPU peak (README "Past 32k": the
+g x T x keys per call); in training, when a sequence spans several chunks (as here), each is
+checkpointed, so the masks (floats inside SDPA) are no longer kept for backward. SP 2 still does not lower the CPU peak (README "Past 32k": the
 same growth per token as SP 1, cause not found); with flash-attn (CUDA) there is no mask.
 
 Estimated part: longspec_cli.launch.memory.estimate (bf16, ZeRO-3 + optimizer offload, flash-attn,
