@@ -83,9 +83,7 @@ def run(cfg) -> dict:
     expect = S.expectations(train_file, target, collator, settings, R.PROMPT_RULE)
     start, totals = S.open_folder(out, expect, FLAGS["force"])
     out.mkdir(parents=True, exist_ok=True)
-    total = R.count_records(train_file)
-    if FLAGS["limit"]:
-        total = min(total, FLAGS["limit"])
+    total = R.count_records(train_file, FLAGS["limit"])
     tok = load_tokenizer(target)
     engine = _engine(target, tok)
     S.write_manifest(out, expect, engine.describe(), totals, total, start, start >= total)

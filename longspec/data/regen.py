@@ -20,13 +20,14 @@ A row's id is its source file's name and its 0-based record index there (`base.j
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 from longspec.data.chat import ChatError, end_of_turn, end_of_turn_ids, render
 from longspec.data.collators import RecordError, long_cot_messages, long_data_messages
-from longspec.data.records import DataError, read_records
+from longspec.data.records import DataError, read_records, tail_records
 
 PROMPT_RULE = {"version": 1,
                "chat": "system and user turns kept, each assistant turn regenerated on the regenerated history",
@@ -87,8 +88,12 @@ def source_rows(train_file, collator: str, start: int = 0) -> Iterator[Row]:
         yield row
 
 
-def count_records(train_file) -> int:
-    return sum(1 for _ in read_records(train_file))
+def count_records(train_file, limit: int | None = None) -> int:
+    """How many records a run goes over: with `limit`, read no further than it; parquet and arrow
+    from their footers (tail_records reads only the last row group); JSONL read once."""
+    if limit is not None:
+        return sum(1 for _ in itertools.islice(read_records(train_file), limit))
+    return tail_records(train_file, 1)[0]
 
 
 def chat_messages(rec: dict, collator: str) -> list[dict] | None:
