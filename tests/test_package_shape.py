@@ -227,3 +227,20 @@ def test_every_package_face_is_a_docstring_alone():
         assert doc and len(tree.body) == 1, f"{group}: its __init__.py is a docstring and nothing else"
         missing = [p.name for p in sorted(folder.glob("*.py")) if p.name != "__init__.py" and p.name not in doc]
         assert not missing, f"{group}'s docstring does not name {missing}"
+
+
+# What the trainer may take from the front end: the pure core, and the launch layer's two estimates.
+TRAINER_MAY_IMPORT = ("longspec_cli.core", "longspec_cli.errors", "longspec_cli.launch.memory",
+                      "longspec_cli.launch.evalmemory")
+
+
+def test_the_trainer_takes_only_pure_pieces_of_the_front_end():
+    graph = import_graph()
+    bad = sorted(f"{m} -> {d}" for m, deps in graph.items() if m.startswith("longspec.")
+                 for d in deps if d.startswith("longspec_cli")
+                 and not any(d == p or d.startswith(p + ".") for p in TRAINER_MAY_IMPORT))
+    assert not bad, "the trainer reaches into the CLI's verbs or screens:\n  " + "\n  ".join(bad)
+    front = {d for m, deps in graph.items() if m.startswith(("longspec_cli.launch.memory", "longspec_cli.launch.evalmemory"))
+             for d in deps if d.startswith("longspec_cli")}
+    assert all(any(d == p or d.startswith(p + ".") for p in TRAINER_MAY_IMPORT) or d == "longspec_cli.launch.argv"
+               for d in front), front
