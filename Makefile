@@ -26,8 +26,12 @@ demo: $(STAMP)
 cluster:
 	sh tests/cluster/install.sh
 
+# Two pytest-xdist workers: each test file stays whole on one (tests/conftest.py), so the suite
+# uses both cores of a small machine instead of one. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
+
 test: $(STAMP) cluster
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
