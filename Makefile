@@ -31,7 +31,7 @@ cluster:
 TEST_WORKERS ?= 2
 
 test: $(STAMP) cluster
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=25
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"

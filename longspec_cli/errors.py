@@ -49,6 +49,8 @@ class RunFailed(LongspecError):
 
 
 def print_error(err: LongspecError) -> None:
+    """The red panel; without its box when a word (a path, a command to copy) is wider than the
+    box: a panel folds such a word across lines, so the path or command could not be copied."""
     from rich.console import Console
     from rich.panel import Panel
     from rich.text import Text
@@ -58,6 +60,8 @@ def print_error(err: LongspecError) -> None:
         body.append("\n")
         body.append("hint: ", style="bold")
         body.append(err.hint)
-    Console(stderr=True).print(
-        Panel(body, title="[bold red]error[/]", title_align="left", border_style="red", expand=False)
-    )
+    console = Console(stderr=True)
+    if max(map(len, body.plain.split()), default=0) > console.width - 4:   # the box's inner width
+        console.print(Text("error: ", style="bold red") + body, soft_wrap=True)
+        return
+    console.print(Panel(body, title="[bold red]error[/]", title_align="left", border_style="red", expand=False))

@@ -24,9 +24,17 @@ def pytest_collection_modifyitems(config, items):
     """Under `-n N --dist loadgroup`, a test file runs whole on one worker (its module fixtures, such
     as a trained run folder, are built once), and every test of the machine's one SLURM cluster and
     sshd runs on the same worker (they are session fixtures: a second worker would start a second
-    cluster). Runs before xdist reads the groups."""
+    cluster). On a worker the groups are also put heaviest first (slow tests count 60 to one), so
+    that a long end-to-end test does not start last while the other worker sits idle; `make test`
+    passes --no-loadscope-reorder, which keeps this order. Runs before xdist reads the groups."""
+    groups: dict[str, list] = {}
     for item in items:
-        if item.get_closest_marker("xdist_group"):
-            continue
-        group = "cluster" if CLUSTER_FIXTURES & set(item.fixturenames) else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+        mark = item.get_closest_marker("xdist_group")
+        if mark is None:
+            cluster = CLUSTER_FIXTURES & set(item.fixturenames)
+            mark = pytest.mark.xdist_group("cluster" if cluster else item.nodeid.split("::")[0])
+            item.add_marker(mark)
+        groups.setdefault(mark.kwargs.get("name", mark.args[0] if mark.args else ""), []).append(item)
+    if hasattr(config, "workerinput"):
+        weight = {g: sum(60 if i.get_closest_marker("slow") else 1 for i in its) for g, its in groups.items()}
+        items[:] = [i for g in sorted(groups, key=lambda g: -weight[g]) for i in groups[g]]   # stable within a group

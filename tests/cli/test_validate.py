@@ -214,6 +214,22 @@ def test_usage_errors_exit_2(tmp_path, proj):
     assert runner.invoke(app, ["validate", str(empty)]).exit_code == 2
 
 
+def test_an_error_naming_a_path_wider_than_the_box_prints_it_whole(tmp_path):
+    """The panel folds a word wider than itself; a path or command to copy is printed unboxed and
+    whole instead (the terminal wraps it, a copy gets it in one piece). Narrow errors keep the box."""
+    import os
+
+    env = {**os.environ, "COLUMNS": "80", "TERM": "dumb"}
+    deep = tmp_path / ("a-folder-with-a-long-name-" * 4) / "nope.yaml"
+    cmd = [sys.executable, "-m", "longspec_cli", "validate"]
+    wide = subprocess.run([*cmd, str(deep)], capture_output=True, text=True, env=env, timeout=60)
+    assert wide.returncode == 2 and "Traceback" not in wide.stderr
+    line = next(l for l in wide.stderr.splitlines() if str(deep) in l)     # on one line, not folded
+    assert wide.stderr.startswith("error: ") and "no such file" in line and "│" not in wide.stderr
+    narrow = subprocess.run([*cmd, "nope.yaml"], capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
+    assert narrow.returncode == 2 and narrow.stderr.startswith("╭─ error") and "no such file" in narrow.stderr
+
+
 def test_help_has_examples():
     res = runner.invoke(app, ["validate", "--help"])
     assert res.exit_code == 0 and "longspec validate my-proj --json --strict" in res.output
