@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from longspec.training import dsconfig, failure, runwriter, simtau
-from longspec.training.rank import print0, progress, rank, seeded, single_process_env, take_local_rank, world_size
+from longspec.training.rank import (print0, progress, rank, seeded, single_process_env, take_local_rank,
+                                    unlink_shm_buffer, world_size)
 from longspec.training.entry import TrainError, implied_config_dir, make_hydra_entry, read_config
 from longspec.training.preempt import EXIT_PREEMPTED, WATCH
 from longspec.training.preflight import (DTYPES, Origin, Preflight, config_origin, cpu_adam_error, preflight,
@@ -119,8 +120,11 @@ class Session:
             print0(f"[{conf['stage']}] note: {note}")
         self.ds_conf = ds_conf
 
-        # All ranks decided on resume_from before anything is written (read-only so far).
+        # All ranks decided on resume_from before anything is written (read-only so far), and
+        # every local rank has mapped its peers' shared-memory allreduce buffers: their names go.
         torch.distributed.barrier()
+        if self.on_cpu:
+            unlink_shm_buffer(self.rank)
         if self.rank == 0:
             if conf["force"]:
                 self.out.remove_all_checkpoints()

@@ -6,6 +6,7 @@
     single_process_env()     a world of one for `python -m longspec.train` without a launcher
     seeded(*parts)           a torch.Generator from (seed, step, ...): the same draws after a resume
     progress                 the last finished step and the path being written (the failure report)
+    unlink_shm_buffer()      drop the name of DeepSpeed's CPU shared-memory allreduce buffer
 """
 from __future__ import annotations
 
@@ -64,3 +65,27 @@ def seeded(*parts: int):
 
     digest = hashlib.sha256(repr(parts).encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
+SHM_DIR = "/dev/shm"
+
+
+def shm_buffer_path(rank_: int) -> str:
+    """Where DeepSpeed's CPU comm op (ShareMemCommBuilder, `shm.cpp`) keeps this rank's allreduce
+    buffer (about 66 MB): `deepspeed_allreduce_buffer_{uid}_{MASTER_ADDR}_{MASTER_PORT}_{rank}`.
+    It exists when every rank of the job is on one machine (WORLD_SIZE == LOCAL_SIZE)."""
+    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{rank_}")
+    return os.path.join(SHM_DIR, name)
+
+
+def unlink_shm_buffer(rank_: int) -> bool:
+    """Remove the name of this rank's shared-memory buffer once every local rank has mapped it (call
+    after a barrier that follows `deepspeed.init_distributed`). DeepSpeed creates the buffer and
+    never unlinks it, so each CPU launch left 66 MB per rank in /dev/shm (RAM) for good. The mapping
+    stays valid; the memory is freed when the last rank exits, however it exits. True if removed."""
+    try:
+        os.unlink(shm_buffer_path(rank_))
+        return True
+    except FileNotFoundError:   # no shm op (GPU, several nodes, the op not built), or already gone
+        return False

@@ -23,6 +23,7 @@ from longspec.model import seqpar  # noqa: E402
 from longspec.model.glide import build_glide  # noqa: E402
 from longspec.training import dsconfig  # noqa: E402
 from longspec.training.positions import anchor_offset_position_ids  # noqa: E402
+from longspec.training.rank import unlink_shm_buffer  # noqa: E402
 
 STEPS, LR, B, T, WINDOW, LAG = 3, 0.5, 2, 45, 8, 2     # T odd: the SP path pads it to 46
 
@@ -149,6 +150,8 @@ def main() -> None:
     target, out_path = sys.argv[1], sys.argv[2]
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()
+    dist.barrier()
+    unlink_shm_buffer(rank)   # as the trainer does: DeepSpeed's CPU comm op leaves it in /dev/shm
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(target).vocab_size

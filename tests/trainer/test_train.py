@@ -149,6 +149,12 @@ def launch(conf: Path, stage: str, ranks: int, *overrides: str, extra_env: dict 
                           timeout=LAUNCH_TIMEOUT)
 
 
+def shm_left(proc: subprocess.CompletedProcess) -> list[str]:
+    """DeepSpeed's CPU allreduce buffers of this launch (its --master_port) still in /dev/shm."""
+    port = proc.args[proc.args.index("--master_port") + 1]
+    return sorted(p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+
+
 def direct(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     """`python -m longspec.train ...` without a launcher (a world of one)."""
     return subprocess.run([PY, "-m", "longspec.train", *args], cwd=cwd, env=env(),
@@ -616,6 +622,8 @@ def test_stage2_two_ranks_zero3_offload_chains_from_stage1_and_every_rank_exits_
     assert len(re.findall(r"prepare \(rank \d\): tokenizing", out)) == 1, show(proc)
     assert len(list((tmp_path / "cache" / "prepared").glob("*/manifest.json"))) == 1
     assert "terminate called" not in out and "exits with return code" not in out
+    # DeepSpeed's CPU comm op made a 66 MB shared-memory buffer per rank; none is left in /dev/shm
+    assert shm_left(proc) == []
 
     # each rank built the target and the draft already partitioned: about half of each, never all
     built = re.findall(r"rank (\d+): ZeRO-3 partitioned at load: target ([\d,]+) of ([\d,]+) bytes, "
