@@ -14,6 +14,11 @@ from longspec_cli.launch.execute import ops_build_dir
 from tests.cluster.fixtures import slurm_cluster, ssh_nodes  # noqa: F401  (pytest finds them here)
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", ops_build_dir())
+# On an xdist worker, torch (here and in every process a test starts) takes its share of the
+# cores, not all of them: two workers of two threads each on two cores oversubscribe the machine.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1)
+                                                     // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 
 CLUSTER_FIXTURES = {"slurm_cluster", "ssh_nodes"}

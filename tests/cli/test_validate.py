@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from longspec_cli.app import app
 from longspec_cli.core.validate import validate_paths
+from tests.cli.conftest import panel_text
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[2]
@@ -206,7 +207,7 @@ def test_table_output_lists_errors_and_a_summary(proj):
 
 def test_usage_errors_exit_2(tmp_path, proj):
     res = runner.invoke(app, ["validate", str(tmp_path / "nope")])
-    assert res.exit_code == 2 and "no such file" in res.output and "Traceback" not in res.output
+    assert res.exit_code == 2 and "no such file" in panel_text(res.output) and "Traceback" not in res.output
     assert runner.invoke(app, ["validate", str(proj), "--bogus"]).exit_code == 2
     assert runner.invoke(app, ["validate", str(proj), "--world-size", "0"]).exit_code == 2
     empty = tmp_path / "empty"
