@@ -95,6 +95,9 @@ class Session:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
         deepspeed.init_distributed(dist_backend=accel.communication_backend_name())
         self.dist_ready = True
+        if self.on_cpu:   # every local rank has mapped its peers' shared-memory buffers: names go
+            torch.distributed.barrier()
+            unlink_shm_buffer(torch.distributed.get_rank())
         self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         # Sequence parallel: the SP ranks of a group (contiguous, as DeepSpeed builds them) share
         # every batch, so data, seeds and the loss average count data-parallel ranks.
@@ -120,11 +123,8 @@ class Session:
             print0(f"[{conf['stage']}] note: {note}")
         self.ds_conf = ds_conf
 
-        # All ranks decided on resume_from before anything is written (read-only so far), and
-        # every local rank has mapped its peers' shared-memory allreduce buffers: their names go.
+        # All ranks decided on resume_from before anything is written (read-only so far).
         torch.distributed.barrier()
-        if self.on_cpu:
-            unlink_shm_buffer(self.rank)
         if self.rank == 0:
             if conf["force"]:
                 self.out.remove_all_checkpoints()
