@@ -36,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+from longspec_cli.core import cudaarch
 from longspec.measure.perprompt import METHODS
 from longspec.measure.report import EVAL_NAME
 from longspec.measure.runread import EvalError, as_path, read_run, stage_draft
@@ -391,6 +392,7 @@ def _print_table(r: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    cudaarch.fix_environ()                       # an arch list DeepSpeed can parse, if it builds an op
     as_json = "--json" in (argv if argv is not None else sys.argv[1:])
     log = (lambda msg: print(msg, file=sys.stderr, flush=True))
     try:

@@ -88,7 +88,9 @@ def main() -> None:
     """`python -m longspec.prepare [--json] --config-dir DIR/conf +exp=STAGE [overrides]`: the stage
     composed by the trainer's own Hydra entry (same primary config and search path)."""
     from longspec.training.entry import implied_config_dir, make_hydra_entry
+    from longspec_cli.core import cudaarch
 
+    cudaarch.fix_environ()                       # an arch list DeepSpeed can parse, if it builds an op
     argv, flags = _take_flags(sys.argv[1:])
     FLAGS.update(flags)
     sys.argv = [sys.argv[0]] + implied_config_dir(argv)

@@ -243,7 +243,9 @@ def summary_text(r: dict) -> str:
 
 def main() -> None:
     from longspec.training.entry import implied_config_dir, make_hydra_entry
+    from longspec_cli.core import cudaarch
 
+    cudaarch.fix_environ()                       # an arch list DeepSpeed can parse, if it builds an op
     argv, flags = take_flags(sys.argv[1:])
     FLAGS.update(flags)
     sys.argv = [sys.argv[0]] + implied_config_dir(argv)

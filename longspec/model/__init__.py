@@ -5,6 +5,8 @@
     families.py   target-family registry: embeddings, lm_head, K/V layer, rotary, draft layout
     kernels.py    attention and linear cross-entropy behind one dispatch (fused on CUDA, reference
                   elsewhere; `kernels: auto | fused | reference`)
+    comm.py       the trainer's collectives, each tensor on the device its process group takes
+                  (NCCL: the rank's GPU); the one caller of torch.distributed's collectives
     seqpar.py     sequence parallelism (DeepSpeed Ulysses): each sequence split across an SP group,
                   the target's and the draft's attention over the whole sequence, the loss's shares
     zero.py       ZeRO-3 helpers: gathered parameters, bytes per rank, whole copies for decoding

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from longspec.model import kernels
+from longspec.model import comm, kernels
 
 IGNORE = -100
 _HOOKED: dict[str, tuple[Any, Any]] = {}   # attn implementation -> (transformers' own function, Ulysses' hook)
@@ -171,8 +171,7 @@ def local_share(hidden, weight, shifted_labels, sp: SeqParallel, chunk_size=None
     H = hidden.shape[-1]
     y = shifted_labels.reshape(-1)
     n_local = (y != IGNORE).sum().to(torch.float32)
-    n_all = n_local.clone()
-    torch.distributed.all_reduce(n_all, group=sp.group)
+    n_all = comm.all_reduce(n_local, group=sp.group)
     mean = kernels.linear_cross_entropy(hidden.reshape(-1, H).float(), weight, y, ignore_index=IGNORE,
                                         chunk_size=chunk_size)
     return mean * (n_local / n_all.clamp(min=1))

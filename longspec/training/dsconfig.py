@@ -251,6 +251,20 @@ def _zero(ds: dict, on_cpu: bool, cpu_adam_error: str | None, problems: list[str
         ds["optimizer"]["params"]["torch_adam"] = True
         notes.append(f"DeepSpeedCPUAdam cannot be built here ({cpu_adam_error}); optimizer offload is off "
                      "and torch.optim.AdamW is used instead")
-    elif "offload_optimizer" not in zero and on_cpu:
-        # DeepSpeed's fused Adam is a CUDA-first kernel; torch's AdamW is the safe CPU choice.
-        ds["optimizer"]["params"].setdefault("torch_adam", True)
+    elif "offload_optimizer" not in zero:
+        # torch's own AdamW, fused on CUDA (DeepSpeed passes `fused` through): nothing to compile
+        # before the first step. DeepSpeed's FusedAdam is a JIT-built op (nvcc, an arch list it can
+        # parse); set torch_adam: false in ds_cfg to have it instead.
+        params = ds["optimizer"]["params"]
+        params.setdefault("torch_adam", True)
+        if params["torch_adam"] and not on_cpu:
+            params.setdefault("fused", True)
+
+
+def optimizer_name(opt) -> str:
+    """'torch.optim.AdamW (fused)', 'deepspeed DeepSpeedCPUAdam', ...: the optimizer that really runs."""
+    cls = type(opt)
+    kind = " (fused)" if (getattr(opt, "defaults", None) or {}).get("fused") else ""
+    if cls.__module__.startswith("torch.optim"):
+        return f"torch.optim.{cls.__name__}{kind}"
+    return f"{cls.__module__.split('.')[0]} {cls.__name__}{kind}"

@@ -21,7 +21,7 @@ from longspec.training.preempt import EXIT_PREEMPTED, WATCH
 from longspec.training.preflight import (DTYPES, Origin, Preflight, config_origin, cpu_adam_error, preflight,
                                 training_config_yaml, wants_offload)
 from longspec.training.resume import decide_resume
-from longspec_cli.core import runfolder
+from longspec_cli.core import cudaarch, runfolder
 from longspec_cli.core.mathkeys import layout, math_config
 
 # ----------------------------------------------------------------------------- the run
@@ -87,13 +87,17 @@ class Session:
         import torch
         from deepspeed.accelerator import get_accelerator
 
+        from longspec.model import comm
+
         conf = self.conf
         accel = get_accelerator()
         self.on_cpu = accel.device_name() == "cpu"
         if self.on_cpu and "OMP_NUM_THREADS" not in os.environ:
             local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size()))
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
-        deepspeed.init_distributed(dist_backend=accel.communication_backend_name())
+        backend = accel.communication_backend_name()
+        self.device = comm.init(backend)                 # this rank's GPU bound before NCCL starts
+        deepspeed.init_distributed(dist_backend=backend)
         self.dist_ready = True
         if self.on_cpu:   # every local rank has mapped its peers' shared-memory buffers: names go
             torch.distributed.barrier()
@@ -146,7 +150,7 @@ class Session:
         print0(f"[{conf['stage']}] {self.total} steps, {self.world} rank(s){sp_note} x "
                f"{conf['per_gpu_train_batch_size']} x {conf['gradient_accumulation_steps']} accumulation, "
                f"ZeRO-{ds_conf['zero_optimization']['stage']}, {conf['precision']}, optimizer "
-               f"{type(getattr(self.engine, 'basic_optimizer', None)).__name__}, {self.per_epoch} "
+               f"{dsconfig.optimizer_name(getattr(self.engine, 'basic_optimizer', None))}, {self.per_epoch} "
                f"batches/epoch/rank, {len(self.dataset)} records")
         print0(f"[{conf['stage']}] kernels ({conf['kernels']}): attention {self.backends['attention']}, "
                f"loss {self.backends['linear_cross_entropy']}, tf32 {self.backends['tf32']}")
@@ -259,6 +263,7 @@ class Session:
     def train(self) -> None:
         import torch
 
+        from longspec.model import comm
         from longspec.training.positions import sample_cross_lag
 
         conf, engine = self.conf, self.engine
@@ -271,7 +276,8 @@ class Session:
         if self.step == 0 or self.simtau.redo:
             self.simtau.maybe(self, force=True)
         while self.step < self.total:
-            sums = torch.zeros(4, dtype=torch.float64)       # loss, llm_loss, tokens, stop request
+            # loss, llm_loss, tokens, stop request: summed where they are made, one sync per step
+            sums = torch.zeros(4, dtype=torch.float64, device=device)
             for micro in range(ga):
                 batch = next(stream)
                 ids = batch["input_ids"]                       # (B, T)
@@ -284,17 +290,17 @@ class Session:
                                 attention_mask=None if mask is None else mask.to(device))
                 engine.backward(result["loss"])
                 engine.step()
-                sums[0] += result["loss"].detach().float().item()
-                sums[1] += result["llm_loss"].detach().float().item()
+                sums[0] += result["loss"].detach().double()
+                sums[1] += result["llm_loss"].detach().double()
                 sums[2] += (float(mask.sum()) if mask is not None else ids.numel()) / self.sp
             self.step += 1
             progress["step"] = self.step
             sums[3] = 1.0 if WATCH.requested.is_set() else 0.0   # every rank stops at the same step
-            torch.distributed.all_reduce(sums)
+            sums = comm.all_reduce(sums).tolist()
             # Under SP each rank's loss is its share of its group's mean: the shares add up.
-            loss, llm_loss = sums[0].item() / (ga * self.dp_world), sums[1].item() / (ga * self.dp_world)
+            loss, llm_loss = sums[0] / (ga * self.dp_world), sums[1] / (ga * self.dp_world)
             self.last_loss = loss
-            tokens_log += sums[2].item()
+            tokens_log += sums[2]
             if self.step % conf["logging_steps"] == 0 or self.step == self.total:
                 now = time.time()
                 tps = tokens_log / max(now - t_log, 1e-9)
@@ -306,14 +312,14 @@ class Session:
                 per_step = (now - t_train) / max(self.step - step0, 1)
                 print0(f"[{conf['stage']}] step {self.step}/{self.total} loss {loss:.4f} "
                        f"llm_loss {llm_loss:.4f} lr {lr:.3g} {tps:,.0f} tok/s "
-                       f"ETA {_clock(per_step * (self.total - self.step))}")
+                       f"ETA {runwriter.clock(per_step * (self.total - self.step))}")
                 t_log, tokens_log = now, 0.0
             if self.simtau.maybe(self):
                 t_log = time.time()
             if self.step % conf["save_steps"] == 0 or self.step == self.total:
                 self.save_checkpoint()
                 t_log = time.time()                      # throughput leaves the save time out
-            if sums[3].item() > 0 and self.step < self.total:
+            if sums[3] > 0 and self.step < self.total:
                 self.preempted = True
                 if not (self.saved and self.saved[0] == self.step):
                     self.save_checkpoint()
@@ -424,11 +430,6 @@ def _cpu_state(module) -> dict:
     return {k: v.detach().to("cpu").clone() for k, v in module.state_dict().items()}
 
 
-def _clock(seconds: float) -> str:
-    s = int(max(seconds, 0))
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
-
-
 # ----------------------------------------------------------------------------- entry point
 
 def guarded(cfg) -> int:
@@ -438,6 +439,8 @@ def guarded(cfg) -> int:
 
 def main() -> None:
     WATCH.install()                  # before any thread starts: the stop signals go to one thread
+    if note := cudaarch.fix_environ():    # before DeepSpeed builds an op (FusedAdam, cpu_adam)
+        print0(f"note: {note}")
     sys.argv = [sys.argv[0]] + implied_config_dir(take_local_rank(sys.argv[1:]))
     single_process_env()
     _hydra_entry()

@@ -191,3 +191,9 @@ class Trackers:
             self.tb.close()
         if self.wb is not None:
             self.wb.finish()
+
+
+def clock(seconds: float) -> str:
+    """H:MM:SS, for an ETA."""
+    s = int(max(seconds, 0))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"

@@ -156,9 +156,11 @@ class SimTau:
         was made by steps this run rolls back, so it goes, and the resumed draft is measured."""
         import torch
 
+        from longspec.model import comm
+
         best = self.out.read.best()
         later = torch.tensor([1 if best is not None and int(best.get("step", -1)) > step else 0])
-        torch.distributed.all_reduce(later)               # every rank decides alike
+        later = comm.all_reduce(later)                    # every rank decides alike
         if not later.item():
             return
         if self.rank == 0:
@@ -173,9 +175,8 @@ class SimTau:
         """(eval's default prompts for this run, their lengths, the target's path, why there are
         none): rank 0 builds them from the resolved config `eval` reads and the stage's last
         records (longspec.measure.prompts: a cost that does not grow with the data), every rank gets them."""
-        import torch
-
         from longspec.measure import prompts as P
+        from longspec.model import comm
         from longspec.measure.runread import EvalError, read_run
 
         got: list = [None]
@@ -187,8 +188,7 @@ class SimTau:
                 got = [(prompts, lengths, str(conf["model_name_or_path"]), None)]
             except (EvalError, P.PromptError) as e:
                 got = [(None, [], None, e.message)]
-        torch.distributed.broadcast_object_list(got, src=0)
-        return got[0]
+        return comm.broadcast_object(got[0], src=0)
 
     def _prepare(self, session) -> None:
         """eval's default prompts for this run, and the target's greedy continuations (read back
@@ -198,6 +198,7 @@ class SimTau:
         import torch
 
         from longspec.measure import chainwalk
+        from longspec.model import comm
         from longspec.model.zero import fits_whole, meta_shell, partitioned
 
         prompts, self.lengths, target, why = self._prompts(session)
@@ -217,7 +218,7 @@ class SimTau:
         flags = torch.tensor([0 if conts is None else 1,
                               int(shell is not None and fits_whole([module.target, module.draft], device)),
                               int(partitioned(module.draft) and fits_whole([module.draft], device))])
-        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN)   # every rank alike
+        flags = comm.all_reduce(flags, op="min")          # every rank alike
         have, copy_target, self.copy_draft = (bool(f) for f in flags.tolist())
         if have:
             self.conts = conts
@@ -230,8 +231,7 @@ class SimTau:
             self.target_copy = TargetWrapper(whole_copy(hf, shell, device))
             hf = self.target_copy.model
         mine = chainwalk.generate(hf, self.prompts, self.gamma, device, self.rank, self.world)
-        shares: list = [None] * self.world
-        torch.distributed.all_gather_object(shares, mine)
+        shares = comm.all_gather_object(mine)
         toks = {i: t for share in shares for i, t in share.items()}
         self.conts = {i: chainwalk.Continuation(toks[i], chainwalk.stop_end(toks[i], p.max_new, p.stops))
                       for i, p in enumerate(self.prompts)}
@@ -271,9 +271,9 @@ class SimTau:
             counts = chainwalk.chain_counts(self._parts(session), self.prompts, self.conts, self.lengths,
                                             self.gamma, session.engine.device, self.rank, self.world, self.batch,
                                             self.frozen)
-        import torch
+        from longspec.model import comm
 
-        torch.distributed.all_reduce(counts)
+        counts = comm.all_reduce(counts)
         fig = chainwalk.figures(counts, self.lengths, self.prompts, self.gamma)
         tau = fig["tau"]
         record = {"record": runfolder.SIMTAU, "step": int(step), "total_steps": int(session.total),

@@ -105,7 +105,7 @@ def test_trainer_keys_fill_the_block():
     assert ds["train_batch_size"] == 3 * 8 * 4
     assert ds["gradient_clipping"] == 0.5
     assert ds["optimizer"] == {"type": "AdamW", "params": {
-        "lr": 2e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0}}
+        "lr": 2e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0, "torch_adam": True, "fused": True}}
     assert ds["scheduler"]["type"] == "WarmupCosineLR"
     assert ds["scheduler"]["params"]["total_num_steps"] == 77
     assert ds["scheduler"]["params"]["warmup_num_steps"] == 7
@@ -217,3 +217,33 @@ def test_shipped_deepspeed_templates_build(name):
 
 def test_plan_steps_warmup_is_at_least_one_step():
     assert dsconfig.plan_steps(base_conf(max_steps=6, warmup_proportion=0.1), 100) == (6, 1)
+
+
+def test_without_offload_a_gpu_run_takes_torch_fused_adamw_and_a_user_choice_stands():
+    conf = base_conf()
+    conf["ds_cfg"]["zero_optimization"].pop("offload_optimizer")
+    ds, notes = build(conf, on_cpu=False)
+    assert ds["optimizer"]["params"]["torch_adam"] is True and ds["optimizer"]["params"]["fused"] is True
+    assert notes == []
+    cpu, _ = build(conf, on_cpu=True)           # torch's AdamW on the CPU, its default kernel
+    assert cpu["optimizer"]["params"]["torch_adam"] is True and "fused" not in cpu["optimizer"]["params"]
+    conf["ds_cfg"]["optimizer"] = {"type": "AdamW", "params": {"torch_adam": False}}
+    own, _ = build(conf, on_cpu=False)          # DeepSpeed's FusedAdam, asked for by name
+    assert own["optimizer"]["params"]["torch_adam"] is False and "fused" not in own["optimizer"]["params"]
+
+
+def test_deepspeed_builds_torch_fused_adamw_from_that_block():
+    """DeepSpeed itself turns the block into torch.optim.AdamW(fused=True) (its engine's own
+    optimizer factory, not a copy of it): on CUDA nothing is compiled before the first step."""
+    import torch
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    conf = base_conf()
+    conf["ds_cfg"]["zero_optimization"].pop("offload_optimizer")
+    ds, _ = build(conf, on_cpu=False)
+    params = dict(ds["optimizer"]["params"])
+    engine = DeepSpeedEngine.__new__(DeepSpeedEngine)          # only its optimizer factory is used
+    engine.zero_use_cpu_optimizer = lambda: False
+    cls, kwargs = engine.get_optimizer_configuration(params, adam_w_mode=True)
+    opt = cls([torch.nn.Parameter(torch.zeros(2))], **params, **kwargs)
+    assert isinstance(opt, torch.optim.AdamW) and opt.defaults["fused"] is True
