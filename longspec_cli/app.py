@@ -34,6 +34,7 @@ VERBS = {
     "monitor": "monitor",
     "eval": "eval",
     "export": "export",
+    "doctor": "doctor",
 }
 MARKUP = "rich"
 PRETTY_EXCEPTIONS_SHORT = True

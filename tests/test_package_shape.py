@@ -167,7 +167,8 @@ LAYERS = {
     "longspec.measure": {"longspec.model", "longspec.data", "longspec.decode"},
     "longspec.training": {"longspec.model", "longspec.data", "longspec.decode", "longspec.measure"},
 }
-RUNNABLE = {"train", "prepare", "show", "evaluate", "export", "draftcheck", "tiny", "nodelaunch", "nodectl", "regenerate"}
+RUNNABLE = {"train", "prepare", "show", "evaluate", "export", "draftcheck", "tiny", "nodelaunch", "nodectl", "regenerate",
+            "doctor"}
 
 
 def _group(mod: str) -> str | None:

@@ -168,7 +168,7 @@ class Session:
         try:
             chosen = kernels.backend(device if on_cuda else "cpu", getattr(torch, DTYPES[self.conf["precision"]]))
         except kernels.KernelUnavailable as e:
-            raise TrainError(str(e)) from None
+            raise TrainError(str(e), hint="`longspec doctor` shows which kernels this machine has") from None
         if on_cuda:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True

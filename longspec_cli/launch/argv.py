@@ -256,7 +256,8 @@ def resolve_resources(p: Placement, gpus: list[Gpu], manifest_gpus: int | None =
     if gpus and ranks > len(gpus) and not force:
         raise RefusedError(
             f"{ranks} GPU rank(s) asked for but {len(gpus)} GPU(s) visible on this machine",
-            hint=f"pass --gpus {len(gpus)} (or set launch.gpus in longspec.yaml), or --force",
+            hint=f"pass --gpus {len(gpus)} (or set launch.gpus in longspec.yaml), or --force; "
+                 "`longspec doctor` lists what this machine can use",
         )
     pinned = bool(gpus) and bool(env.get("CUDA_VISIBLE_DEVICES", "").strip()) and not p.include
     return Resources(cpu=not gpus, ranks_per_node=ranks, nodes=1, gpus=tuple(gpus), pinned=pinned)

@@ -281,8 +281,14 @@ def _fail(spec: StageSpec, result, complete, console: Console) -> None:
         raise RunFailed(f"stage {spec.name} failed ({why}): {diskspace.human(free)} free on the disk of "
                         f"{spec.output_dir}\n{diskspace.resume_sentence(spec.output_dir)}",
                         hint="free some space (or point output_dir elsewhere) and run again")
+    gpu = any(w in tail for w in GPU_WORDS)
     raise RunFailed(f"stage {spec.name} failed ({why}); the next stage was not started",
-                    hint=f"full log: {log}")
+                    hint=f"full log: {log}" + ("; `longspec doctor` checks this machine's GPUs, CUDA, NCCL and "
+                                               "DeepSpeed ops" if gpu else ""))
+
+
+# Words in a failed stage's log that point at the machine rather than the config.
+GPU_WORDS = ("CUDA", "NCCL", "cuDNN", "nvcc", "TORCH_CUDA_ARCH_LIST", "device type", "flash", "OutOfMemory")
 
 
 def process_log_name() -> str:
