@@ -144,7 +144,8 @@ def launch(a: argparse.Namespace, ranks: int, seq: int, out: Path) -> dict:
             "--device", a.device, "--steps", str(a.steps), "--warmup", str(a.warmup), "--window", str(a.window),
             "--seq", str(seq)] + (["--layers", str(a.layers)] if a.layers else [])
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), BENCH_SP_OUT=str(out),
-               PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               TOKENIZERS_PARALLELISM="false")
     try:
         proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=a.timeout)
     except subprocess.TimeoutExpired:

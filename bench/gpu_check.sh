@@ -1,112 +1,184 @@
 #!/usr/bin/env bash
-# First checks on a CUDA machine, in at most ~10.5 minutes on one H200; writes one JSON.
+# First checks on a CUDA machine, one command, at most ~8 minutes on one H200; writes one JSON.
+# Installs nothing (compute nodes are often offline): it names what is missing and runs the rest.
 #
-#   bench/gpu_check.sh [OUT.json]          # default: gpu_check.json in the repository root
-#   PYTHON=/path/to/python bench/gpu_check.sh out.json
-#   bench/gpu_check.sh --dry-run out.json  # no GPU: tiny shapes on the CPU, no install (checks the script)
+#   bench/gpu_check.sh [OUT.json] [LOGDIR]          # default: gpu_check.json in the repository root
+#   PYTHON=/path/to/python bench/gpu_check.sh out.json logs/
+#   bench/gpu_check.sh --dry-run out.json           # no GPU: tiny shapes on the CPU (checks the script)
+#   PARTS="doctor demo" bench/gpu_check.sh out.json  # some parts only (default: all five)
 #
-# 1. installs the `gpu` extra (flash-attn, liger-kernel, nvidia-ml-py) into the current Python
-#    (skipped when already importable; a failed install is recorded, the rest still runs)
-# 2. runs the gpu-marked tests: fused kernels against the reference path and against the dense
-#    GLIDE reference, forward and gradients, bf16 and fp32, and the tree verify's flash-attn prefix
-#    (the same test bodies run on every CPU under the strict stand-ins of tests/standins)
-# 3. measures a GLIDE training step at 8k and 32k tokens on a Qwen2.5-7B-shaped target (random
-#    weights): tokens/s and peak memory next to the preflight's memory estimate
-# 4. sequence parallelism (bench/bench_sp.py): one GLIDE step at 32k tokens, SP 1 on one rank vs
-#    SP 2 on two ranks sharing the GPU (gloo): peak memory per rank, the loss of both, and the
-#    preflight's estimates for 8B / 32B targets at 64k and 128k
+# An offline node gets longspec's needs as wheels built elsewhere (../shared/offline-gpu/wheelhouse.sh
+# in the development tree; any `pip download` of the train extra for the node's Python will do).
+#
+# Parts, each bounded by its own timeout, each failure kept with the tail of its log:
+#   doctor   `python -m longspec.doctor --json`: GPUs, CUDA, NCCL, DeepSpeed, arch list, kernels, disk
+#   tests    the gpu-marked tests (kernels against the reference path, fused dispatch, tree decode);
+#            a missing flash-attn or Liger skips with its reason
+#   demo     `longspec demo --gpus 1`: the tiny preset's three stages through DeepSpeed and NCCL,
+#            then eval of each (tau, speed-up)            (tests and demo run side by side)
+#   step     bench/gpu_check.py: one GLIDE step on a Qwen2.5-7B-shaped target at 8k..64k tokens,
+#            tokens/s, TFLOP/s, peak memory against the preflight's estimate, per kernel rung
+#   sp       bench/bench_sp.py: SP 1 on one rank against SP 2 on two ranks sharing the GPU
 set -uo pipefail
 
 DRY=0
 if [[ "${1:-}" == "--dry-run" ]]; then DRY=1; shift; fi
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="$(realpath -m "${1:-$ROOT/gpu_check.json}")"
-PY="${PYTHON:-python}"
+PY="${PYTHON:-python3}"
+LOGS="${2:-}"
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
+[[ -n "$LOGS" ]] && mkdir -p "$LOGS" && LOGS="$(realpath "$LOGS")"
 cd "$ROOT"
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+[[ $DRY == 1 ]] && export DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES=""
 t_start=$(date +%s)
 say() { echo "[gpu_check $(( $(date +%s) - t_start ))s] $*"; }
 
-# ---- 1. the gpu extra (at most 4 minutes)
-install_rc=0
-if [[ $DRY == 1 ]]; then
-  install_status="skipped (dry run)"
-elif "$PY" -c "import flash_attn, liger_kernel" 2>/dev/null; then
-  install_status="already installed"
-else
-  say "installing the gpu extra"
-  timeout 240 "$PY" -m pip install --quiet --retries 1 --timeout 15 "flash-attn>=2.6" "liger-kernel>=0.5" "nvidia-ml-py>=12" \
-      --no-build-isolation >"$WORK/install.log" 2>&1
-  install_rc=$?
-  install_status=$([[ $install_rc == 0 ]] && echo "installed" || echo "failed (rc $install_rc): $(tail -n 3 "$WORK/install.log" | tr '\n' ' ')")
-fi
-say "gpu extra: $install_status"
+PARTS=" ${PARTS:-doctor tests demo step sp} "
+# part NAME TIMEOUT CMD...: runs CMD under TIMEOUT, its output in $WORK/NAME.log; writes NAME.part
+part() {
+  local name=$1 limit=$2; shift 2
+  [[ "$PARTS" == *" $name "* ]] || { say "$name: not asked for"; return 0; }
+  local t0; t0=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" >"$WORK/$name.log" 2>&1
+  local rc=$?
+  echo "$rc $(( $(date +%s) - t0 )) $limit" >"$WORK/$name.part"
+  [[ -n "$LOGS" ]] && cp "$WORK/$name.log" "$LOGS/$name.log"
+  say "$name: rc $rc in $(( $(date +%s) - t0 ))s"
+  return $rc
+}
 
-# ---- 2. gpu-marked tests (at most 2.5 minutes)
-if [[ $DRY == 1 ]]; then
-  tests_rc=0; echo '{"skipped": "dry run"}' >"$WORK/tests.json"
-else
-  say "gpu-marked tests"
-  timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider --junitxml="$WORK/tests.xml" \
-      tests/trainer/test_kernels.py tests/trainer/test_reference_parity.py tests/trainer/test_tree_decode.py \
-      >"$WORK/tests.log" 2>&1
-  tests_rc=$?
-  tail -n 5 "$WORK/tests.log"
-  "$PY" - "$WORK/tests.xml" >"$WORK/tests.json" <<'PYEOF'
-import json, sys, xml.etree.ElementTree as ET
-try:
-    root = ET.parse(sys.argv[1]).getroot()
-except Exception as e:                                   # pytest was killed before writing it
-    print(json.dumps({"error": f"no test report ({e})"})); sys.exit()
-suite = root if root.tag == "testsuite" else root.find("testsuite")
-cases = suite.findall("testcase")
-failed = [c.get("name") for c in cases if c.find("failure") is not None or c.find("error") is not None]
-skipped = [c.get("name") for c in cases if c.find("skipped") is not None]
-print(json.dumps({"total": len(cases), "failed": failed, "skipped": len(skipped),
-                  "passed": len(cases) - len(failed) - len(skipped)}))
+# ---- what is missing (nothing is installed)
+MISSING=$("$PY" - <<'PYEOF'
+import importlib.util
+need = ["torch", "transformers", "deepspeed", "hydra", "omegaconf", "ruamel.yaml", "typer", "rich", "psutil",
+        "pyarrow", "pytest"]
+print(" ".join(m for m in need if importlib.util.find_spec(m.split(".")[0]) is None
+               or (m == "ruamel.yaml" and importlib.util.find_spec("ruamel.yaml") is None)))
 PYEOF
+)
+OPTIONAL=$("$PY" -c "import importlib.util as u; print(' '.join(m for m in ('flash_attn', 'liger_kernel') if u.find_spec(m) is None))")
+say "missing: ${MISSING:-nothing}; optional not installed: ${OPTIONAL:-none}"
+echo "$MISSING" >"$WORK/missing.txt"; echo "$OPTIONAL" >"$WORK/optional.txt"
+if [[ -n "$MISSING" ]]; then
+  say "install these first (pip install --no-index --no-deps WHEELS/*.whl on an offline node); nothing more runs"
 fi
 
-# ---- 3. the training step at 8k and 32k (at most 3 minutes)
-say "GLIDE step benchmark"
-if [[ $DRY == 1 ]]; then
-  timeout 170 "$PY" bench/gpu_check.py --dry-run --out "$WORK/step.json"
-else
-  timeout 170 "$PY" bench/gpu_check.py --seq 8192 32768 --out "$WORK/step.json"
-fi
-step_rc=$?
-
-# ---- 4. sequence parallel: SP 1 vs SP 2 (at most 2.5 minutes)
-say "sequence parallel SP 1 vs SP 2"
-if [[ $DRY == 1 ]]; then
-  timeout 150 "$PY" bench/bench_sp.py --device cpu --dims small --layers 1 --seq 64 --steps 1 --warmup 0 \
-      --out "$WORK/sp.json" >"$WORK/sp.log" 2>&1
-else
-  timeout 150 "$PY" bench/bench_sp.py --device cuda --dims qwen7b --layers 4 --seq 32768 --steps 2 --timeout 70 \
-      --out "$WORK/sp.json" >"$WORK/sp.log" 2>&1
-fi
-sp_rc=$?
-tail -n 3 "$WORK/sp.log"
-
-# ---- one JSON
-"$PY" - "$OUT" "$WORK" "$install_status" "$tests_rc" "$step_rc" "$(( $(date +%s) - t_start ))" "$sp_rc" <<'PYEOF'
+if [[ -z "$MISSING" ]]; then
+  # ---- doctor (seconds)
+  part doctor 60 "$PY" -m longspec.doctor --json --dir "$WORK"
+  # ---- tests and the demo, side by side (both correctness; neither is timed)
+  if [[ $DRY == 1 ]]; then
+    part tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/trainer/test_gpu_check.py -k parses &
+  else
+    part tests 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs --junitxml="$WORK/tests.xml" \
+        tests/trainer/test_kernels.py tests/trainer/test_reference_parity.py tests/trainer/test_tree_decode.py \
+        tests/trainer/test_fused_dispatch.py &
+  fi
+  tests_pid=$!
+  DEMO_ARGS=(--gpus 1 --quiet); [[ $DRY == 1 ]] && DEMO_ARGS=(--quiet --max-steps 2 --no-eval)
+  part demo 240 "$PY" -m longspec_cli demo "$WORK/demo" "${DEMO_ARGS[@]}"
+  [[ -d "$WORK/demo" ]] && "$PY" -m longspec_cli status "$WORK/demo" --json >"$WORK/status.json" 2>>"$WORK/demo.log"
+  "$PY" - "$WORK" >"$WORK/demo.json" 2>>"$WORK/demo.log" <<'PYEOF'
 import json, sys
 from pathlib import Path
-out, work, install, tests_rc, step_rc, wall, sp_rc = sys.argv[1:]
-work = Path(work)
-def load(name):
-    p = work / name
-    try:
-        return json.loads(p.read_text())
-    except Exception as e:
-        return {"error": f"{name} missing or unreadable ({e})"}
-report = {"gpu_extra": install, "tests": {"rc": int(tests_rc), **load("tests.json")},
-          "step": {"rc": int(step_rc), **load("step.json")},
-          "sequence_parallel": {"rc": int(sp_rc), **load("sp.json")}, "wall_s": int(wall)}
-Path(out).write_text(json.dumps(report, indent=2) + "\n")
-print(f"wrote {out}")
+work = Path(sys.argv[1])
+status = json.loads((work / "status.json").read_text())
+out = {}
+for st in status["stages"]:
+    log = Path(st["output_dir"]) / "train.log"
+    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    out[st["name"]] = {k: st.get(k) for k in ("state", "steps", "tau", "speedup", "tree_tau", "sim_tau", "best_tau")}
+    out[st["name"]]["start_lines"] = [l for l in lines if "kernels (" in l or "ZeRO-" in l][:2]
+print(json.dumps(out))
 PYEOF
-say "done"
-[[ $tests_rc == 0 && $step_rc == 0 && $sp_rc == 0 ]]
+  wait "$tests_pid"
+  # ---- the GLIDE step (alone on the GPU: timed)
+  if [[ $DRY == 1 ]]; then
+    part step 170 "$PY" bench/gpu_check.py --dry-run --out "$WORK/step.json"
+  else
+    part step 170 "$PY" bench/gpu_check.py --seq 8192 16384 32768 65536 --out "$WORK/step.json"
+  fi
+  # ---- sequence parallel: SP 1 vs SP 2
+  if [[ $DRY == 1 ]]; then
+    part sp 120 "$PY" bench/bench_sp.py --device cpu --dims small --layers 1 --seq 64 --steps 1 --warmup 0 \
+        --out "$WORK/sp.json"
+  else
+    part sp 100 "$PY" bench/bench_sp.py --device cuda --dims qwen7b --layers 4 --seq 32768 --steps 2 --timeout 45 \
+        --out "$WORK/sp.json"
+  fi
+fi
+
+# ---- one JSON
+"$PY" - "$OUT" "$WORK" "$(( $(date +%s) - t_start ))" "$DRY" <<'PYEOF'
+import json, sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+out, work, wall, dry = sys.argv[1:]
+work = Path(work)
+
+def load(name):
+    """A JSON file, or the last line of a log that is a JSON object."""
+    try:
+        text = (work / name).read_text()
+    except OSError as e:
+        return {"error": f"{name} missing ({e.strerror})"}
+    try:
+        return json.loads(text)
+    except ValueError:
+        for line in reversed(text.splitlines()):
+            if line.startswith("{"):
+                try:
+                    return json.loads(line)
+                except ValueError:
+                    pass
+    return {"error": f"{name} holds no JSON"}
+
+def part(name, extra=None):
+    p = work / f"{name}.part"
+    if not p.is_file():
+        return {"ran": False}
+    rc, wall_s, limit = map(int, p.read_text().split())
+    row = {"rc": rc, "wall_s": wall_s, "timeout_s": limit, "timed_out": rc in (124, 137)}
+    if rc != 0:
+        log = (work / f"{name}.log").read_text(errors="replace").splitlines()
+        row["log_tail"] = log[-25:]
+    if extra:
+        row.update(extra)
+    return row
+
+def tests():
+    try:
+        root = ET.parse(work / "tests.xml").getroot()
+    except Exception:
+        return {}
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    cases = suite.findall("testcase")
+    failed = [c.get("name") for c in cases if c.find("failure") is not None or c.find("error") is not None]
+    skips = {}
+    for c in cases:
+        s = c.find("skipped")
+        if s is not None:
+            why = (s.get("message") or "").strip()
+            skips[why] = skips.get(why, 0) + 1
+    return {"total": len(cases), "passed": len(cases) - len(failed) - sum(skips.values()), "failed": failed,
+            "skipped": skips}
+
+missing = (work / "missing.txt").read_text().split() if (work / "missing.txt").is_file() else []
+report = {
+    "dry_run": dry == "1", "wall_s": int(wall),
+    "missing": missing, "optional_missing": (work / "optional.txt").read_text().split(),
+    "doctor": part("doctor", {"report": load("doctor.log")}),
+    "tests": part("tests", tests()),
+    "demo": part("demo", {"stages": load("demo.json")}),
+    "step": part("step", load("step.json") if (work / "step.json").is_file() else None),
+    "sequence_parallel": part("sp", load("sp.json") if (work / "sp.json").is_file() else None),
+}
+ok = not missing and all(report[k].get("rc", 0) == 0 for k in ("doctor", "tests", "demo", "step", "sequence_parallel"))
+report["ok"] = ok
+Path(out).write_text(json.dumps(report, indent=2) + "\n")
+print(f"wrote {out}: {'all parts passed' if ok else 'some parts failed (see rc and log_tail)'}")
+sys.exit(0 if ok else 1)
+PYEOF
