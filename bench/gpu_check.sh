@@ -78,7 +78,7 @@ if [[ -z "$MISSING" ]]; then
         tests/trainer/test_fused_dispatch.py &
   fi
   tests_pid=$!
-  DEMO_ARGS=(--gpus 1 --quiet); [[ $DRY == 1 ]] && DEMO_ARGS=(--quiet --max-steps 2 --no-eval)
+  DEMO_ARGS=(--gpus 1); [[ $DRY == 1 ]] && DEMO_ARGS=(--max-steps 2 --no-eval)
   part demo 240 "$PY" -m longspec_cli demo "$WORK/demo" "${DEMO_ARGS[@]}"
   [[ -d "$WORK/demo" ]] && "$PY" -m longspec_cli status "$WORK/demo" --json >"$WORK/status.json" 2>>"$WORK/demo.log"
   "$PY" - "$WORK" >"$WORK/demo.json" 2>>"$WORK/demo.log" <<'PYEOF'

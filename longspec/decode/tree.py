@@ -123,7 +123,7 @@ def grow_level(logp: torch.Tensor, scores: torch.Tensor, width: int, sample: boo
     m, V = logp.shape
     k = min(width, V)
     top_lp, top_tok = logp.topk(k, dim=-1)                                   # (m, k) each
-    cand = scores[:, None] + top_lp                                          # (m, k)
+    cand = scores.to(logp.device)[:, None] + top_lp                          # (m, k)
     best = cand.flatten().topk(min(width, cand.numel())).indices            # (w,)
     rows, ranks = (best // k).tolist(), (best % k).tolist()
     if not sample:
@@ -170,7 +170,7 @@ class GlideTreeProposer(GlideProposer):
         h = self._step(seq[:, self.end:], tk, tv)            # catch up + the root at position n - 1
         tree = TokenTree([int(seq[0, -1])])
         logits = self._logits_rows(h[0])                     # (1, V)
-        parents, scores = [0], torch.zeros(1)
+        parents, scores = [0], torch.zeros(1, device=logits.device)    # path scores, beside the logits
         tree_kv: list[torch.Tensor] = []                     # draft self-attn K, V of nodes 1..N
         for d, width in enumerate(shape, 1):
             logp = _log_proposal(logits, temperature)        # (m, V)
@@ -179,7 +179,7 @@ class GlideTreeProposer(GlideProposer):
                     tree.q[node] = logp[row].exp()
             picks = grow_level(logp, scores, width, temperature > 0, generator)
             level = [tree.add(parents[r], tok) for r, tok, _ in picks]
-            scores = torch.tensor([s for _, _, s in picks])
+            scores = torch.tensor([s for _, _, s in picks], device=logits.device)
             if d == len(shape) or not level:
                 break
             h = self._tree_step(tree, level, n - 1 + d, tk, tv, tree_kv)    # (1, m, H)

@@ -110,7 +110,8 @@ def _run_eval(manifest: Manifest, spec: StageSpec, out: StageOutcome, req: RunRe
     except LongspecError as e:
         if e.exit_code == INTERRUPTED:
             raise
-        out.note = f"evaluation failed: {e.message.splitlines()[0]}"
+        cause = [line.strip() for line in e.message.splitlines()[1:] if line.strip()][-1:]   # a crash's last line
+        out.note = f"evaluation failed: {e.message.splitlines()[0]}" + (f" {cause[0]}" if cause else "")
         if req.gate is not None:  # no figures, no gate: refused (exit 1), whatever the evaluator's own code
             raise RefusedError(f"stage {spec.name}: evaluation failed, so the gate cannot pass: {e.message}",
                                hint=f"run it alone: `longspec eval {manifest.root} {spec.name}`"

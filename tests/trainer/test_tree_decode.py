@@ -252,3 +252,22 @@ def test_speculative_sampling_follows_the_target_distribution(shape):
 def test_sample_decode_at_temperature_zero_is_greedy(tiny_target):
     p = prompt(10, 2)
     assert sample_decode(tiny_target, p, 20, 0.0).tokens == greedy_decode(tiny_target, p, 20).tokens
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_chain_and_tree_decoding_run_where_the_model_is(tiny_target, device):
+    """Both decoders with every tensor on the model's device (each CPU-made tensor that meets a
+    CUDA one is a crash there; the CPU cannot see one). fp32, so greedy is exact on either."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    p = prompt(11, 5)
+    ref = greedy_decode(tiny_target, p, 24)
+    model = tiny_target.to(device)
+    try:
+        glide = random_glide(model, std=0.3, seed=3)
+        glide.draft.to(device)
+        chain = speculative_decode(model, glide, p.to(device), 4, 24)
+        tree = tree_decode(model, GlideTreeProposer(glide.target, glide.draft), p.to(device), (3, 4, 2), 24)
+    finally:
+        tiny_target.to("cpu")
+    assert chain.tokens == ref.tokens and tree.tokens == ref.tokens
