@@ -38,7 +38,8 @@ from longspec.model import kernels
 # On CUDA a bool mask of 2^28 elements is 256 MB; on the CPU SDPA keeps fp32 weights, so less.
 SCORE_BUDGET = {"cpu": 1 << 24, "cuda": 1 << 28}
 FLEX_BLOCK = 128                 # FlexAttention's default sparse block (queries and keys)
-RUNGS = ("flash_attn", "torch_fused", "sdpa")
+FLEX_LENGTH_STEP = 1024          # compiled FlexAttention sees lengths in these steps (one kernel each)
+RUNGS = kernels.ATTENTION_RUNGS
 CHOSEN: Counter = Counter()
 _log = logging.getLogger(__name__)
 _logged: set = set()
@@ -123,7 +124,7 @@ def choose(q, k, causal, window, key_padding_mask, impl=None) -> str:
 
 def flash_blocker(q, k, causal, key_padding_mask) -> str | None:
     """Why flash-attn cannot compute this call exactly (None: it can)."""
-    why = kernels.flash_unusable(q.device, q.dtype)
+    why = kernels.flash_unusable(q.device, q.dtype) or _below_top("flash_attn")
     if why:
         return why
     return _shape_blocker(q, k, causal, key_padding_mask)
@@ -131,7 +132,7 @@ def flash_blocker(q, k, causal, key_padding_mask) -> str | None:
 
 def torch_fused_blocker(q, k, causal, window, key_padding_mask) -> str | None:
     """Why the torch_fused rung cannot compute this call exactly (None: it can)."""
-    why = kernels.torch_fused_unusable(q.device, windowed=window is not None)
+    why = kernels.torch_fused_unusable(q.device, windowed=window is not None) or _below_top("torch_fused")
     if why:
         return why
     if not causal:
@@ -139,6 +140,11 @@ def torch_fused_blocker(q, k, causal, window, key_padding_mask) -> str | None:
     if window is not None and q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
         return "FlexAttention has no backward on the CPU"
     return _shape_blocker(q, k, causal, key_padding_mask)
+
+
+def _below_top(rung: str) -> str | None:
+    top = kernels.top_rung()
+    return f"the ladder starts at {top}" if RUNGS.index(rung) < RUNGS.index(top) else None
 
 
 def _shape_blocker(q, k, causal, key_padding_mask) -> str | None:
@@ -185,9 +191,18 @@ def _torch_fused_attention(q, k, v, window, lag, scale):
         if lag:
             out = torch.cat([out.new_zeros(B, nh, lag, hd), out], dim=2)
         return out                                                 # (B, nh, T, hd)
-    block_mask = band_block_mask(T, window, lag, q.device)
-    flex = _compiled_flex() if q.device.type == "cuda" else _eager_flex()
-    return flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+    if q.device.type != "cuda":
+        return _eager_flex()(q, k, v, block_mask=band_block_mask(T, window, lag, q.device), scale=scale,
+                             enable_gqa=True)
+    # Lengths rounded up to a multiple of FLEX_LENGTH_STEP, zeros appended: a padded key lies after
+    # every real query (causal: never seen) and padded queries are cut off, so the result is exact,
+    # and the compiled kernel and its BlockMask are one per bucket, not one per length.
+    Tp = -(-T // FLEX_LENGTH_STEP) * FLEX_LENGTH_STEP
+    if Tp != T:
+        q, k, v = (F.pad(x, (0, 0, 0, Tp - T)) for x in (q, k, v))
+    out = _compiled_flex()(q, k, v, block_mask=band_block_mask(Tp, window, lag, q.device), scale=scale,
+                           enable_gqa=True)
+    return out[:, :, :T] if Tp != T else out
 
 
 @lru_cache(maxsize=None)
@@ -216,7 +231,9 @@ def band_block_mask(T: int, window: int | None, lag: int, device: torch.device, 
     smin, smax = lo[None, :], hi[None, :]                          # key blocks (columns)
     wide = window if window is not None else 2 * T + lag           # no window: no lower bound
     some = (smin <= tmax - lag) & (smax >= tmin - lag - wide)      # (n, n) any key visible
-    full = (smax <= tmin - lag) & (smin >= tmax - lag - wide)      # every key visible
+    whole = lo + block <= T                                        # blocks not cut by the end
+    full = (smax <= tmin - lag) & (smin >= tmax - lag - wide)      # every key visible ...
+    full &= whole[:, None] & whole[None, :]                        # ... and no position past T (as torch)
     partial = some & ~full
 
     def packed(sel):                                               # counts, indices (first = selected)
@@ -231,11 +248,16 @@ def band_block_mask(T: int, window: int | None, lag: int, device: torch.device, 
 
 @lru_cache(maxsize=None)
 def _compiled_flex():
-    """FlexAttention compiled once per process: the fused Triton kernel, forward and backward.
-    Default dynamic (a second length recompiles once with symbolic sizes, then no more)."""
+    """FlexAttention compiled once per process: the fused Triton kernel, forward and backward;
+    static shapes, one compilation per length bucket (FLEX_LENGTH_STEP), with room for 64 buckets
+    before dynamo would fall back to the unfused (dense) implementation."""
+    import torch._dynamo
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention)
+    for name in ("recompile_limit", "cache_size_limit"):          # renamed in newer torch
+        if hasattr(torch._dynamo.config, name) and getattr(torch._dynamo.config, name) < 64:
+            setattr(torch._dynamo.config, name, 64)
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def _eager_flex():

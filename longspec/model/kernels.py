@@ -24,7 +24,8 @@ import torch.nn.functional as F
 # Rows of logits per chunk on the reference cross-entropy path (see bench/bench_linear_ce.py).
 DEFAULT_CE_CHUNK = 1024
 MODES = ("auto", "fused", "reference")
-_mode = {"value": "auto"}
+_mode = {"value": "auto", "top_rung": "flash_attn"}
+ATTENTION_RUNGS = ("flash_attn", "torch_fused", "sdpa")    # the ladder, top first (model/attention.py)
 
 
 class KernelUnavailable(RuntimeError):
@@ -40,6 +41,19 @@ def set_mode(mode: str) -> None:
 
 def mode() -> str:
     return _mode["value"]
+
+
+def set_top_rung(rung: str) -> None:
+    """Where the attention ladder starts (default flash_attn: all of it); bench/gpu_check.py's
+    ``--attention`` measures each rung of a machine with this. The target follows: below
+    flash_attn it runs on SDPA."""
+    if rung not in ATTENTION_RUNGS:
+        raise ValueError(f"attention rung must be one of {', '.join(ATTENTION_RUNGS)} (got {rung!r})")
+    _mode["top_rung"] = rung
+
+
+def top_rung() -> str:
+    return _mode["top_rung"]
 
 
 # ----------------------------------------------------------------------------- availability
@@ -122,8 +136,9 @@ def backend(device: torch.device | str | None = None, dtype: torch.dtype | None 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     m = mode()
-    flash_why = flash_unusable(device, dtype or torch.bfloat16)
-    torch_why = torch_fused_unusable(device)
+    top = ATTENTION_RUNGS.index(top_rung())
+    flash_why = flash_unusable(device, dtype or torch.bfloat16) or (None if top < 1 else "below the top rung")
+    torch_why = torch_fused_unusable(device) or (None if top < 2 else "below the top rung")
     liger_why = liger_unusable(device)
     if m == "reference":
         attention, liger = "sdpa", False
@@ -147,7 +162,8 @@ def target_attn_implementation(dtype: torch.dtype | None = None) -> str:
     """The transformers attention of the frozen target: flash-attn's where transformers finds it
     on a CUDA machine, the mode allows fused kernels and ``dtype`` is fp16/bf16; else SDPA (its
     causal path, torch's fused kernels, when there is no padding)."""
-    if mode() == "reference" or not torch.cuda.is_available() or dtype not in (None, torch.float16, torch.bfloat16):
+    if (mode() == "reference" or top_rung() != "flash_attn" or not torch.cuda.is_available()
+            or dtype not in (None, torch.float16, torch.bfloat16)):
         return "sdpa"
     try:
         from transformers.utils import is_flash_attn_2_available

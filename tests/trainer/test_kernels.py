@@ -237,7 +237,7 @@ def test_linear_ce_under_no_grad():
 @pytest.mark.parametrize("window,lag", [(None, 0), (64, 0), (None, 3), (5, 2)])
 def test_flash_attention_matches_sdpa(fused_env, window, lag):
     if kernels.backend(fused_env)["attention"] != "flash_attn":
-        pytest.skip("needs flash-attn")
+        pytest.skip(f"needs flash-attn ({kernels.flash_unusable(fused_env, torch.bfloat16)})")
     T = 300 if fused_env == "cuda" else 70
     q, k, v = (x.detach().to(fused_env, torch.bfloat16).requires_grad_(True) for x in rand_qkv(T=T, hd=64))
     got = attention.attention(q, k, v, window=window, lag=lag, impl="flash_attn")
@@ -252,7 +252,7 @@ def test_flash_attention_matches_sdpa(fused_env, window, lag):
 
 def test_liger_matches_chunked(fused_env):
     if kernels.backend(fused_env)["linear_cross_entropy"] != "liger":
-        pytest.skip("needs liger-kernel")
+        pytest.skip(f"needs liger-kernel ({kernels.liger_unusable(fused_env)})")
     hidden, weight, labels = (x.to(fused_env) for x in ce_inputs(N=512, H=64, V=1000))
     h1, h2 = hidden.clone().requires_grad_(True), hidden.clone().requires_grad_(True)
     w1, w2 = weight.clone().requires_grad_(True), weight.clone().requires_grad_(True)
