@@ -17,7 +17,9 @@ Visibility rule shared by every rung (query index t, key index s, both from 0):
 The window is flash-attn's ``window_size=(window, -1)`` with causal=True, the reference GLIDE
 draft's setting: ``window=512`` sees 513 keys. Queries with no visible key (t < lag, or everything
 padded) return 0, never NaN. The fused rungs take right padding only (a real query never sees a
-later, padded key; padded queries carry no label), anything else goes to the reference.
+later, padded key; padded queries carry no label), anything else goes to the reference. A short
+windowed call (up to FLEX_LENGTH_STEP queries, the window shorter than the sequence) takes the
+reference too: one masked SDPA call, nothing to compile.
 
 Which rung each call took is counted in ``CHOSEN`` (rung -> calls) and the first call of each
 (rung, reason) is logged; ``longspec.model.kernels.backend`` names the rung a run will use.
@@ -107,6 +109,9 @@ def choose(q, k, causal, window, key_padding_mask, impl=None) -> str:
         rung, reason = "sdpa", "kernels = reference"
     elif not flash_why:
         rung, reason = "flash_attn", "installed"
+    elif not fused_why and window is not None and FLEX_LENGTH_STEP >= q.shape[2] > window + 1:
+        # short and windowed: the reference's one masked SDPA call, no FlexAttention compilation
+        rung, reason = "sdpa", f"{q.shape[2]} queries: one masked call (FlexAttention from {FLEX_LENGTH_STEP + 1})"
     elif not fused_why:
         rung, reason = "torch_fused", f"flash-attn: {flash_why}"
     else:
@@ -185,6 +190,8 @@ def _torch_fused_attention(q, k, v, window, lag, scale):
     B, nh, T, hd = q.shape
     if lag >= T:
         return torch.zeros_like(q)
+    if window is not None and window >= T - 1 - lag:
+        window = None    # the window holds every key a query could see: plain causal
     if window is None:   # shifted: query t (>= lag) against keys 0 .. T - lag - 1, plain causal
         out = F.scaled_dot_product_attention(q[:, :, lag:], k[:, :, : T - lag], v[:, :, : T - lag],
                                              is_causal=True, scale=scale, enable_gqa=True)

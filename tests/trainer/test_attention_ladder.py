@@ -90,8 +90,9 @@ def test_mask_mod_is_one_object_per_window_and_lag():
 
 def test_each_call_takes_the_highest_rung_that_computes_it(fused_standins):
     """Under the stand-ins (a CPU that counts as fused): bf16 -> flash-attn; fp32 -> torch's rung,
-    except a windowed call with a backward (FlexAttention has none on the CPU) and left padding,
-    which take the reference; kernels=reference -> the reference. Counted in CHOSEN."""
+    except a windowed call with a backward (FlexAttention has none on the CPU), left padding and a
+    short windowed call, which take the reference; kernels=reference -> the reference. Counted in
+    CHOSEN."""
     q, k, v = rand_qkv(T=20, dtype=torch.float32)
     right = torch.ones(2, 20, dtype=torch.bool)
     right[0, 15:] = False
@@ -102,7 +103,8 @@ def test_each_call_takes_the_highest_rung_that_computes_it(fused_standins):
         (dict(q=q, k=k, v=v, lag=2, key_padding_mask=right), "torch_fused"),
         (dict(q=q, k=k, v=v, lag=2, key_padding_mask=left), "sdpa"),
         (dict(q=q, k=k, v=v, window=4), "sdpa"),
-        (dict(q=q.detach(), k=k.detach(), v=v.detach(), window=4), "torch_fused"),
+        (dict(q=q.detach(), k=k.detach(), v=v.detach(), window=4), "sdpa"),         # short: one call
+        (dict(q=q.detach(), k=k.detach(), v=v.detach(), window=30), "torch_fused"),  # window >= T
     ]
     for kw, want in calls:
         before = attention.CHOSEN.copy()
