@@ -1,13 +1,18 @@
-"""GLIDE training step on a GPU: tokens/s and peak memory next to the preflight's estimate.
+"""GLIDE training step on a GPU: tokens/s, achieved TFLOP/s and peak memory next to the preflight's estimate.
 
-    python bench/gpu_check.py --out step.json                 # CUDA: Qwen2.5-7B-shaped target, 8k and 32k
-    python bench/gpu_check.py --dry-run --out step.json       # CPU: a tiny target, seconds (what the tests run)
+    python bench/gpu_check.py --out step.json                          # CUDA: Qwen2.5-7B shape, 8k-64k
+    python bench/gpu_check.py --attention torch_fused --out fused.json # one rung of the attention ladder
+    python bench/gpu_check.py --dry-run --out step.json                # CPU: a tiny target (what the tests run)
 
 The target is a random-weight stack shaped like Qwen2.5-7B (28 layers, hidden 3584, 28 heads over
 4 KV heads, MLP 18944, vocab 152064; --layers to shorten it), in bf16. One step = the frozen
 target's forward, the draft's forward and backward, both losses, and an AdamW step on the draft
 (plain torch, no DeepSpeed: one GPU, nothing partitioned). Each length runs --warmup steps, then
---steps timed ones. The estimate is longspec_cli.launch.memory.estimate for the same shape
+--steps timed ones; a length whose steps pass --length-timeout seconds (or that runs out of
+memory) ends the run, the lengths after it are recorded as skipped, with the reason. FLOPs are
+counted here (``step_flops``: every matrix product of the target's forward with its attention, the
+draft's forward and backward with both attentions, both losses' lm_head products) and divided by
+the step time. The estimate is longspec_cli.launch.memory.estimate for the same shape
 (ZeRO-0, no offload, the attention kernel actually chosen); the JSON holds both and their ratio.
 """
 from __future__ import annotations
@@ -34,20 +39,42 @@ def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="JSON file to write")
     ap.add_argument("--dry-run", action="store_true", help="tiny target on the CPU (checks the script)")
-    ap.add_argument("--seq", type=int, nargs="+", help="sequence lengths (default 8192 32768; dry run 64 128)")
+    ap.add_argument("--seq", type=int, nargs="+", help="sequence lengths (default 8192 16384 32768 65536; dry run 64 128)")
     ap.add_argument("--layers", type=int, help="target layers (default 28; dry run 2)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per length")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--kernels", choices=("auto", "fused", "reference"), default="auto")
+    ap.add_argument("--attention", choices=("flash_attn", "torch_fused", "sdpa"), default="flash_attn",
+                    help="the attention ladder's top rung (default: all of it)")
+    ap.add_argument("--length-timeout", type=float, default=120.0,
+                    help="seconds for one length's steps; past it the remaining lengths are skipped")
     return ap.parse_args(argv)
+
+
+def step_flops(dims: dict, seq: int, window: int) -> float:
+    """FLOPs of one GLIDE step (B = 1): 2 per multiply-add of every matrix product, backward = 2x
+    forward; causal attention counts its visible half, windowed attention its window."""
+    H, I, L, V = dims["hidden_size"], dims["intermediate_size"], dims["num_hidden_layers"], dims["vocab_size"]
+    nh, kvh = dims["num_attention_heads"], dims["num_key_value_heads"]
+    hd = H // nh
+    kvd = kvh * hd
+    T = seq
+    causal = 2 * 2 * nh * hd * T * (T + 1) / 2                     # QK^T and PV over the visible half
+    windowed = 2 * 2 * nh * hd * T * min(window + 1, T)
+    target = L * (2 * T * (2 * H * H + 2 * H * kvd + 3 * H * I) + causal)
+    draft_fwd = 2 * T * (4 * H * H + 2 * H * kvd + 3 * H * I) + windowed + causal
+    lm_head = 2 * T * H * V
+    return target + 3 * draft_fwd + lm_head + 2 * lm_head       # llm loss (no grad) + draft loss fwd/bwd
 
 
 def build_target(dims: dict, device, dtype):
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(**dims)
+    from longspec.model import kernels
+
+    cfg = Qwen2Config(**dims, attn_implementation=kernels.target_attn_implementation(dtype))
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -81,7 +108,12 @@ def run_length(model, seq: int, a: argparse.Namespace, device) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     times, losses = [], []
+    started = time.perf_counter()
     for i in range(a.warmup + a.steps):
+        if i and time.perf_counter() - started > a.length_timeout:
+            if not times:
+                raise TimeoutError(f"warmup alone took over {a.length_timeout:.0f} s")
+            break
         ids = torch.randint(0, vocab, (1, seq), generator=gen)
         pos = anchor_offset_position_ids(seq, 1, anchors=4, max_offset=1000, threshold=1200, generator=gen)
         lag = sample_cross_lag(4, gen)
@@ -97,9 +129,14 @@ def run_length(model, seq: int, a: argparse.Namespace, device) -> dict:
         if i >= a.warmup:
             times.append(time.perf_counter() - t0)
             losses.append(out["loss"].item())
+    if not times:
+        raise TimeoutError(f"no timed step within {a.length_timeout:.0f} s")
     step_s = sum(times) / len(times)
     peak = torch.cuda.max_memory_allocated(device) if on_cuda else None
+    flops = step_flops(a.dims, seq, a.window)
     return {"seq_len": seq, "step_s": round(step_s, 4), "tokens_per_s": round(seq / step_s, 1),
+            "timed_steps": len(times), "step_flops": flops, "tflops_per_s": round(flops / step_s / 1e12, 2),
+            "us_per_token": round(step_s / seq * 1e6, 2),
             "peak_bytes": peak, "loss": round(losses[-1], 4), "finite": all(map(lambda x: x == x, losses))}
 
 
@@ -108,7 +145,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import torch
 
-    from longspec.model import kernels
+    from longspec.model import attention, kernels
     from longspec.model.glide import build_glide
 
     if not a.dry_run and not torch.cuda.is_available():
@@ -118,26 +155,35 @@ def main(argv=None) -> int:
     dims = dict(TINY if a.dry_run else QWEN25_7B)
     if a.layers:
         dims["num_hidden_layers"] = a.layers
-    seqs = a.seq or ([64, 128] if a.dry_run else [8192, 32768])
+    a.dims = dims
+    seqs = a.seq or ([64, 128] if a.dry_run else [8192, 16384, 32768, 65536])
     dtype = torch.float32 if a.dry_run else torch.bfloat16
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     kernels.set_mode(a.kernels)
-    chosen = kernels.backend(device)
+    kernels.set_top_rung(a.attention)
+    chosen = kernels.backend(device, dtype)
     t0 = time.perf_counter()
     target = build_target(dims, device, dtype)
     model = build_glide(target, sliding_window=a.window, dtype=dtype).to(device)
     built_s = time.perf_counter() - t0
-    flash = chosen["attention"] == "flash_attn"
-    results = []
+    flash = chosen["attention"] != "sdpa"            # a fused rung: no mask kept for backward
+    results, stop = [], None
     for seq in seqs:
         est = estimate_bytes(dims, seq, a.window, flash, device.type == "cuda")
-        try:
-            r = run_length(model, seq, a, device)
-        except torch.OutOfMemoryError as e:            # a figure too: the estimate said it fits?
-            r = {"seq_len": seq, "error": f"out of memory: {str(e).splitlines()[0]}"}
-            torch.cuda.empty_cache()
+        if stop:
+            r = {"seq_len": seq, "skipped": stop}
+        else:
+            try:
+                r = run_length(model, seq, a, device)
+            except torch.OutOfMemoryError as e:            # a figure too: the estimate said it fits?
+                r = {"seq_len": seq, "error": f"out of memory: {str(e).splitlines()[0]}"}
+                stop = f"{seq} tokens ran out of memory"
+                torch.cuda.empty_cache()
+            except TimeoutError as e:
+                r = {"seq_len": seq, "error": f"timeout: {e}"}
+                stop = f"{seq} tokens passed --length-timeout"
         r["estimate_bytes"] = int(est)
         if r.get("peak_bytes"):
             r["measured_over_estimate"] = round(r["peak_bytes"] / est, 3)
@@ -146,6 +192,8 @@ def main(argv=None) -> int:
     report = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dry_run": a.dry_run, "torch": torch.__version__, "kernels_mode": a.kernels, "kernels": chosen,
+        "attention_top_rung": a.attention, "target_attention": model.target.config._attn_implementation,
+        "attention_calls": dict(attention.CHOSEN),
         "target_shape": dims, "target_params": sum(p.numel() for p in model.target.parameters()),
         "draft_trainable_params": sum(p.numel() for p in model.trainable_parameters()),
         "dtype": str(dtype).replace("torch.", ""), "sliding_window": a.window, "build_s": round(built_s, 2),
@@ -153,7 +201,7 @@ def main(argv=None) -> int:
     }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(report, indent=2) + "\n")
-    return 0 if all("error" not in r for r in results) else 1
+    return 0 if all("error" not in r and "skipped" not in r for r in results) else 1
 
 
 if __name__ == "__main__":

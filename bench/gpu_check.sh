@@ -30,6 +30,7 @@ LOGS="${2:-}"
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 [[ -n "$LOGS" ]] && mkdir -p "$LOGS" && LOGS="$(realpath "$LOGS")"
+L="${LOGS:-$WORK}"    # each part's log, written as it runs (a run cut short keeps what it printed)
 cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 [[ $DRY == 1 ]] && export DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES=""
@@ -42,10 +43,9 @@ part() {
   local name=$1 limit=$2; shift 2
   [[ "$PARTS" == *" $name "* ]] || { say "$name: not asked for"; return 0; }
   local t0; t0=$(date +%s)
-  timeout --kill-after=10 "$limit" "$@" >"$WORK/$name.log" 2>&1
+  timeout --kill-after=10 "$limit" "$@" >"$L/$name.log" 2>&1
   local rc=$?
   echo "$rc $(( $(date +%s) - t0 )) $limit" >"$WORK/$name.part"
-  [[ -n "$LOGS" ]] && cp "$WORK/$name.log" "$LOGS/$name.log"
   say "$name: rc $rc in $(( $(date +%s) - t0 ))s"
   return $rc
 }
@@ -68,20 +68,22 @@ fi
 
 if [[ -z "$MISSING" ]]; then
   # ---- doctor (seconds)
-  part doctor 60 "$PY" -m longspec.doctor --json --dir "$WORK"
-  # ---- tests and the demo, side by side (both correctness; neither is timed)
-  if [[ $DRY == 1 ]]; then
-    part tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/trainer/test_gpu_check.py -k parses &
-  else
-    part tests 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs --junitxml="$WORK/tests.xml" \
-        tests/trainer/test_kernels.py tests/trainer/test_reference_parity.py tests/trainer/test_tree_decode.py \
-        tests/trainer/test_fused_dispatch.py &
-  fi
+  # ---- doctor, then the tests, beside the demo (correctness, none of them timed)
+  (
+    part doctor 60 "$PY" -m longspec.doctor --json --dir "$WORK"
+    if [[ $DRY == 1 ]]; then
+      part tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/trainer/test_gpu_check.py -k parses
+    else
+      part tests 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs --junitxml="$WORK/tests.xml" \
+          tests/trainer/test_kernels.py tests/trainer/test_attention_ladder.py tests/trainer/test_reference_parity.py \
+          tests/trainer/test_tree_decode.py tests/trainer/test_fused_dispatch.py
+    fi
+  ) &
   tests_pid=$!
   DEMO_ARGS=(--gpus 1); [[ $DRY == 1 ]] && DEMO_ARGS=(--max-steps 2 --no-eval)
-  part demo 240 "$PY" -m longspec_cli demo "$WORK/demo" "${DEMO_ARGS[@]}"
-  [[ -d "$WORK/demo" ]] && "$PY" -m longspec_cli status "$WORK/demo" --json >"$WORK/status.json" 2>>"$WORK/demo.log"
-  "$PY" - "$WORK" >"$WORK/demo.json" 2>>"$WORK/demo.log" <<'PYEOF'
+  part demo 330 "$PY" -m longspec_cli demo "$WORK/demo" "${DEMO_ARGS[@]}"
+  [[ -d "$WORK/demo" ]] && "$PY" -m longspec_cli status "$WORK/demo" --json >"$WORK/status.json" 2>>"$L/demo.log"
+  "$PY" - "$WORK" >"$WORK/demo.json" 2>>"$L/demo.log" <<'PYEOF'
 import json, sys
 from pathlib import Path
 work = Path(sys.argv[1])
@@ -99,7 +101,8 @@ PYEOF
   if [[ $DRY == 1 ]]; then
     part step 170 "$PY" bench/gpu_check.py --dry-run --out "$WORK/step.json"
   else
-    part step 170 "$PY" bench/gpu_check.py --seq 8192 16384 32768 65536 --out "$WORK/step.json"
+    part step "${STEP_TIMEOUT:-200}" "$PY" bench/gpu_check.py --seq 8192 16384 32768 65536 --steps 2 --warmup 1 \
+        --length-timeout 60 --out "$WORK/step.json"
   fi
   # ---- sequence parallel: SP 1 vs SP 2
   if [[ $DRY == 1 ]]; then
@@ -112,17 +115,21 @@ PYEOF
 fi
 
 # ---- one JSON
-"$PY" - "$OUT" "$WORK" "$(( $(date +%s) - t_start ))" "$DRY" <<'PYEOF'
+"$PY" - "$OUT" "$WORK" "$(( $(date +%s) - t_start ))" "$DRY" "$L" <<'PYEOF'
 import json, sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
-out, work, wall, dry = sys.argv[1:]
-work = Path(work)
+out, work, wall, dry, logs = sys.argv[1:]
+work, logs = Path(work), Path(logs)
 
 def load(name):
+    return json_line(work / name)
+
+def json_line(path):
     """A JSON file, or the last line of a log that is a JSON object."""
+    name = path.name
     try:
-        text = (work / name).read_text()
+        text = path.read_text()
     except OSError as e:
         return {"error": f"{name} missing ({e.strerror})"}
     try:
@@ -136,6 +143,17 @@ def load(name):
                     pass
     return {"error": f"{name} holds no JSON"}
 
+def rows(path):
+    """The JSON rows a part printed before it was cut short."""
+    out = []
+    for line in (path.read_text(errors="replace").splitlines() if path.is_file() else []):
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+    return out
+
 def part(name, extra=None):
     p = work / f"{name}.part"
     if not p.is_file():
@@ -143,7 +161,7 @@ def part(name, extra=None):
     rc, wall_s, limit = map(int, p.read_text().split())
     row = {"rc": rc, "wall_s": wall_s, "timeout_s": limit, "timed_out": rc in (124, 137)}
     if rc != 0:
-        log = (work / f"{name}.log").read_text(errors="replace").splitlines()
+        log = (logs / f"{name}.log").read_text(errors="replace").splitlines()
         row["log_tail"] = log[-25:]
     if extra:
         row.update(extra)
@@ -170,10 +188,10 @@ missing = (work / "missing.txt").read_text().split() if (work / "missing.txt").i
 report = {
     "dry_run": dry == "1", "wall_s": int(wall),
     "missing": missing, "optional_missing": (work / "optional.txt").read_text().split(),
-    "doctor": part("doctor", {"report": load("doctor.log")}),
+    "doctor": part("doctor", {"report": json_line(logs / "doctor.log")}),
     "tests": part("tests", tests()),
     "demo": part("demo", {"stages": load("demo.json")}),
-    "step": part("step", load("step.json") if (work / "step.json").is_file() else None),
+    "step": part("step", load("step.json") if (work / "step.json").is_file() else {"rows_printed": rows(logs / "step.log")}),
     "sequence_parallel": part("sp", load("sp.json") if (work / "sp.json").is_file() else None),
 }
 ok = not missing and all(report[k].get("rc", 0) == 0 for k in ("doctor", "tests", "demo", "step", "sequence_parallel"))

@@ -81,8 +81,7 @@ def load_models(target: Path, draft: Path, sliding_window: int, dtype, device):
                         hint="pass --target PATH, or fix model_name_or_path in the stage config")
     hf_logging.disable_progress_bar()
     try:
-        glide = build_glide(target, sliding_window=sliding_window, draft_path=draft, dtype=dtype,
-                            attn_implementation="sdpa")
+        glide = build_glide(target, sliding_window=sliding_window, draft_path=draft, dtype=dtype)
     except DraftLoadError as e:
         raise EvalError(str(e), 3) from None
     except ValueError as e:            # unsupported family / a draft that does not match the target

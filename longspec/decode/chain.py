@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 import torch.nn as nn
 
-from longspec.model import kernels
+from longspec.model import attention as attn_ladder
 from longspec.model.glide import GlideDraft, apply_rope
 from longspec.model.target import TargetWrapper
 
@@ -216,13 +216,13 @@ class GlideProposer:
         # self-attention: the query sees keys pos - W .. pos (W + 1 of them)
         sa = d.self_attn
         q = apply_rope(sa.heads(sa.q_proj, x), cos, sin)                             # (1, nh, 1, hd)
-        y = kernels.attention(q, self.k[:, :, -self.window:], self.v[:, :, -self.window:], causal=False)
+        y = attn_ladder.attention(q, self.k[:, :, -self.window:], self.v[:, :, -self.window:], causal=False)
         h = h + sa.out(y)
         # cross-attention onto every K/V the target has cached
         ca = d.cross_attn
         q = apply_rope(ca.heads(ca.q_proj, d.post_self_attention_layernorm(h)), cos, sin)
         if tk.shape[2] > 0:
-            h = h + ca.out(kernels.attention(q, tk, tv, causal=False))
+            h = h + ca.out(attn_ladder.attention(q, tk, tv, causal=False))
         return h + d.mlp(d.post_cross_attention_layernorm(h))                       # (1, 1, H)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:

@@ -211,9 +211,9 @@ class GlideTreeProposer(GlideProposer):
         ca = d.cross_attn
         q = apply_rope(ca.heads(ca.q_proj, d.post_self_attention_layernorm(h)), cos, sin)
         if tk.shape[2] > 0:
-            from longspec.model import kernels
+            from longspec.model import attention as attn_ladder
 
-            h = h + ca.out(kernels.attention(q, tk, tv, causal=False))
+            h = h + ca.out(attn_ladder.attention(q, tk, tv, causal=False))
         return h + d.mlp(d.post_cross_attention_layernorm(h))                             # (1, m, H)
 
     def _logits_rows(self, h: torch.Tensor) -> torch.Tensor:

@@ -105,7 +105,7 @@ def tree_verify_attention(q, k, v, tree_mask: torch.Tensor, scale: float | None 
 
 def fused_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether flash-attn can compute the prefix part here: CUDA, installed, fp16/bf16 (it refuses
-    fp32). The same predicate as kernels.attention's (kernels.flash_unusable)."""
+    fp32). The same predicate as attention.attention's (kernels.flash_unusable)."""
     from longspec.model import kernels
 
     return kernels.flash_unusable(device, dtype) is None

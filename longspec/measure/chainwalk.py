@@ -209,7 +209,7 @@ def draft_all_lags(draft, hidden, target_k, target_v, rope, mask, gamma: int, st
     cross-attention queries); then per lag the cross-attention, its output projection and the MLP.
     The same values as gamma calls of draft(...) (tests/trainer/test_simtau.py holds them equal);
     with ``start``, the positions before it are only keys of the self-attention."""
-    from longspec.model import kernels
+    from longspec.model import attention as attn_ladder
     from longspec.model.glide import apply_rope
 
     cos, sin = rope
@@ -221,18 +221,18 @@ def draft_all_lags(draft, hidden, target_k, target_v, rope, mask, gamma: int, st
     q = apply_rope(sa.heads(sa.q_proj, x), cos, sin)
     W = draft.config.sliding_window
     if start:
-        y = kernels.attention_rows(q, k, v, start, window=W, key_padding_mask=mask)
+        y = attn_ladder.attention_rows(q, k, v, start, window=W, key_padding_mask=mask)
     else:
-        y = kernels.attention(q, k, v, causal=True, window=W, key_padding_mask=mask)
+        y = attn_ladder.attention(q, k, v, causal=True, window=W, key_padding_mask=mask)
     hidden = hidden + sa.out(y)
     ca = draft.cross_attn
     q = apply_rope(ca.heads(ca.q_proj, draft.post_self_attention_layernorm(hidden)), cos, sin)
     outs = []
     for lag in range(1, gamma + 1):          # one lag at a time: the MLP's activations of one forward
         if start:
-            y = kernels.attention_rows(q, target_k, target_v, start, lag=lag, key_padding_mask=mask)
+            y = attn_ladder.attention_rows(q, target_k, target_v, start, lag=lag, key_padding_mask=mask)
         else:
-            y = kernels.attention(q, target_k, target_v, causal=True, lag=lag, key_padding_mask=mask)
+            y = attn_ladder.attention(q, target_k, target_v, causal=True, lag=lag, key_padding_mask=mask)
         h = hidden + ca.out(y)
         outs.append(h + draft.mlp(draft.post_cross_attention_layernorm(h)))
     return outs

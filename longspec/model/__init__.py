@@ -3,8 +3,10 @@
     glide.py      the GLIDE draft block and the training model (draft + frozen target, both losses)
     target.py     the frozen target: last-layer post-RoPE K/V, embeddings, RoPE, next_token_loss
     families.py   target-family registry: embeddings, lm_head, K/V layer, rotary, draft layout
-    kernels.py    attention and linear cross-entropy behind one dispatch (fused on CUDA, reference
-                  elsewhere; `kernels: auto | fused | reference`)
+    attention.py  the attention ladder, one entry, a rung per call: flash-attn, torch's fused kernels
+                  on CUDA (SDPA causal, FlexAttention with a cached BlockMask), the SDPA reference
+    kernels.py    the kernel mode (`kernels: auto | fused | reference`), what each kernel can run on,
+                  and the linear cross-entropy (Liger on CUDA, chunked reference elsewhere)
     comm.py       the trainer's collectives, each tensor on the device its process group takes
                   (NCCL: the rank's GPU); the one caller of torch.distributed's collectives
     seqpar.py     sequence parallelism (DeepSpeed Ulysses): each sequence split across an SP group,

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from longspec.model import kernels, seqpar
+from longspec.model import attention as attn_ladder, seqpar
 from longspec.model.families import get_family, rope_params as _rope_params
 from longspec.model.target import TargetWrapper, load_target, next_token_loss
 from longspec.model.zero import announce_zero3, gathered, gathered_for_update, zero3_dtype
@@ -233,7 +233,7 @@ class GlideDraft(nn.Module):
     def _attend(attn: GlideAttention, q, k, v, position_ids, sp, **kw) -> torch.Tensor:
         """Causal attention then o_proj -> (B, T, H); under SP over the whole sequence (seqpar)."""
         if sp is None:
-            return attn.out(kernels.attention(q, k, v, causal=True, **kw))
+            return attn.out(attn_ladder.attention(q, k, v, causal=True, **kw))
         return attn.o_proj(seqpar.attention(sp, attn, q, k, v, position_ids, **kw))
 
 

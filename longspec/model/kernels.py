@@ -1,42 +1,31 @@
-"""The one dispatch point for the two heavy ops of GLIDE training.
+"""The kernel mode, what each kernel can run on, and the loss; the attention ladder itself is
+longspec.model.attention.
 
-- ``attention``: causal attention with an optional sliding window (draft self-attention) and an
-  optional lag (draft cross-attention onto the target's K/V). flash-attn on CUDA when installed,
-  otherwise torch SDPA with an explicit boolean mask, chunked over queries (on the CPU in
-  training, when a sequence spans several chunks, each is checkpointed: its mask and weights are
-  rebuilt in backward, not kept).
 - ``linear_cross_entropy``: next-token loss straight from hidden states and the lm_head weight,
   in fp32, without ever holding the full (N, V) logits. Liger's fused kernel on CUDA when
-  installed, otherwise a chunked autograd Function.
-
-Visibility rule shared by both attention paths (query index t, key index s, both from 0):
-    s <= t - lag                      (causal, shifted back by ``lag``)
-    s >= t - lag - window             (only when ``window`` is set: ``window + 1`` keys at most,
-                                       the query's own position included)
-The window is flash-attn's ``window_size=(window, -1)`` with causal=True, the reference GLIDE
-draft's setting: ``window=512`` sees 513 keys. Queries with no visible key (t < lag, or everything
-padded) return 0, never NaN.
+  installed (reading the lm_head in its own dtype), otherwise a chunked autograd Function.
+- ``backend``: the rung of the attention ladder (flash_attn, torch_fused, sdpa) and the loss
+  kernel a run will use, for the start line, the doctor and eval.json.
 
 Which implementation runs is chosen once per process by ``set_mode``:
-    auto       fused kernels where they can run (CUDA, installed), the reference path elsewhere
+    auto       fused kernels where they can run (CUDA: flash-attn where installed, else torch's own
+               fused attention; Liger where installed), the reference path elsewhere
     fused      fused kernels or an error: a GPU run never falls back silently
     reference  the torch reference path everywhere (slow on long sequences; for checks)
 """
 from __future__ import annotations
 
 import importlib.util
-import math
 from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 
-# Score elements (B * nh * Tq * Sk) per SDPA call on the reference path: bounds memory at long T.
-_SDPA_SCORE_BUDGET = 1 << 24
 # Rows of logits per chunk on the reference cross-entropy path (see bench/bench_linear_ce.py).
 DEFAULT_CE_CHUNK = 1024
 MODES = ("auto", "fused", "reference")
-_mode = {"value": "auto"}
+_mode = {"value": "auto", "top_rung": "flash_attn"}
+ATTENTION_RUNGS = ("flash_attn", "torch_fused", "sdpa")    # the ladder, top first (model/attention.py)
 
 
 class KernelUnavailable(RuntimeError):
@@ -52,6 +41,19 @@ def set_mode(mode: str) -> None:
 
 def mode() -> str:
     return _mode["value"]
+
+
+def set_top_rung(rung: str) -> None:
+    """Where the attention ladder starts (default flash_attn: all of it); bench/gpu_check.py's
+    ``--attention`` measures each rung of a machine with this. The target follows: below
+    flash_attn it runs on SDPA."""
+    if rung not in ATTENTION_RUNGS:
+        raise ValueError(f"attention rung must be one of {', '.join(ATTENTION_RUNGS)} (got {rung!r})")
+    _mode["top_rung"] = rung
+
+
+def top_rung() -> str:
+    return _mode["top_rung"]
 
 
 # ----------------------------------------------------------------------------- availability
@@ -88,7 +90,7 @@ def fused_device(device: torch.device | str) -> bool:
 
 def flash_unusable(device: torch.device | str, dtype: torch.dtype) -> str | None:
     """Why flash-attn cannot run on tensors of ``device`` and ``dtype`` (None: it can). The one
-    predicate of kernels.attention and of the tree verify (tree_attn): flash-attn refuses fp32."""
+    predicate of the attention ladder (longspec.model.attention) and of the tree verify (tree_attn): flash-attn refuses fp32."""
     if _flash_attn_func() is None:
         return "flash-attn is not installed or does not import"
     if not fused_device(device):
@@ -98,210 +100,76 @@ def flash_unusable(device: torch.device | str, dtype: torch.dtype) -> str | None
     return None
 
 
-def backend(device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> dict[str, str]:
-    """Which implementation each op uses on ``device`` (default: cuda if present) under the
-    current mode, for logs; ``dtype``, where known, is the attention's (flash-attn refuses fp32:
-    "sdpa" then). Raises KernelUnavailable in ``fused`` mode when one cannot run."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    on_cuda = fused_device(device)
-    m = mode()
-    flash = on_cuda and m != "reference" and _flash_attn_func() is not None
-    liger = on_cuda and m != "reference" and _liger_loss_cls() is not None
-    if m == "fused" and not (flash and liger):
-        missing = [name for name, ok in (("flash-attn", flash), ("liger-kernel", liger)) if not ok]
-        where = "no CUDA device" if not on_cuda else f"{' and '.join(missing)} not importable"
-        raise KernelUnavailable(
-            f"kernels = fused but {where}; install the gpu extra (pip install 'longspec[gpu]') "
-            "on a CUDA machine, or set kernels=auto (fused where possible) or kernels=reference")
-    flash = flash and (dtype is None or flash_unusable(device, dtype) is None)
-    return {
-        "attention": "flash_attn" if flash else "sdpa",
-        "linear_cross_entropy": "liger" if liger else "chunked",
-    }
-
-
-# ----------------------------------------------------------------------------- attention
-
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool = True,
-    window: int | None = None,
-    lag: int = 0,
-    key_padding_mask: torch.Tensor | None = None,
-    scale: float | None = None,
-    impl: str | None = None,
-    q_chunk: int | None = None,
-) -> torch.Tensor:
-    """Attention with GQA. q (B, nh, T, hd); k, v (B, kvh, S, hd) -> (B, nh, T, hd).
-
-    window: query t sees keys t - lag - window .. t - lag (``window + 1`` keys, flash-attn's
-    ``window_size=(window, -1)``). lag: query t sees keys up to t - lag only. key_padding_mask
-    (B, S) bool/int, True/1 = real token. impl: None (from the mode), "flash" or "sdpa" (forcing
-    flash where it cannot run raises).
-    """
-    B, nh, T, hd = q.shape
-    if k.dim() != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[-1] != hd:
-        raise ValueError(f"attention: k/v {tuple(k.shape)}/{tuple(v.shape)} do not fit q {tuple(q.shape)}")
-    kvh = k.shape[1]
-    if nh % kvh != 0:
-        raise ValueError(f"attention: {nh} query heads is not a multiple of {kvh} key/value heads")
-    if lag < 0 or (window is not None and window < 0):
-        raise ValueError(f"attention: lag must be >= 0 and window >= 0 (got lag={lag}, window={window})")
-    if not causal and (lag or window is not None):
-        raise ValueError("attention: window and lag need causal=True")
-    if key_padding_mask is not None:
-        key_padding_mask = key_padding_mask.to(device=q.device, dtype=torch.bool)
-        if key_padding_mask.all():
-            key_padding_mask = None
-    scale = scale if scale is not None else 1.0 / math.sqrt(hd)
-    if k.dtype != q.dtype:  # e.g. an fp32 draft attending to bf16 target K/V
-        k, v = k.to(q.dtype), v.to(q.dtype)
-
-    if impl is None:
-        impl = "sdpa" if mode() == "reference" else ("flash" if mode() == "fused" and fused_device(q.device) else None)
-    why_not = _flash_blocker(q, k, causal, key_padding_mask)
-    if impl == "flash" and why_not:
-        raise KernelUnavailable(f"attention: flash-attn requested but not usable here ({why_not})")
-    if impl == "sdpa" or why_not:
-        return _sdpa_attention(q, k, v, causal, window, lag, key_padding_mask, scale, q_chunk)
-    return _flash_attention(q, k, v, causal, window, lag, scale)
-
-
-def _flash_blocker(q, k, causal, key_padding_mask) -> str | None:
-    """Why flash-attn cannot compute this call exactly (None: it can).
-
-    Right padding is fine: with causal attention a real query never sees a later (padded) key,
-    and padded queries carry no label. Any other padding pattern needs the reference path.
-    """
-    why = flash_unusable(q.device, q.dtype)
-    if why:
-        return why
-    if causal and k.shape[2] != q.shape[2]:
-        return "causal attention with keys and queries of different lengths"
-    if key_padding_mask is not None and not (causal and _right_padded(key_padding_mask)):
-        return "padding that is not right padding"
+@lru_cache(maxsize=None)
+def _flex_attention_missing() -> str | None:
+    """Why torch's FlexAttention does not import here (None: it does)."""
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
+    except Exception as e:  # torch too old, or built without it
+        return f"torch {torch.__version__} has no FlexAttention ({type(e).__name__})"
     return None
 
 
-def _right_padded(key_padding_mask: torch.Tensor) -> bool:
-    """(B, S) bool: every row is real tokens followed by padding only."""
-    m = key_padding_mask.to(torch.int8)
-    return bool((m[:, 1:] <= m[:, :-1]).all())
+def torch_fused_unusable(device: torch.device | str, windowed: bool = True) -> str | None:
+    """Why torch's own fused attention cannot run on tensors of ``device`` (None: it can).
+    windowed: the call needs FlexAttention (a sliding window), not only SDPA's causal path."""
+    if not fused_device(device):
+        return "tensors are not on CUDA"
+    return _flex_attention_missing() if windowed else None
 
 
-def _flash_attention(q, k, v, causal, window, lag, scale):
-    flash_attn_func = _flash_attn_func()
-    B, nh, T, hd = q.shape
-    if lag >= T:
-        return torch.zeros_like(q)
-    qf, kf, vf = (x.transpose(1, 2) for x in (q, k, v))          # (B, T, heads, hd)
-    if lag:  # shifting queries back by `lag` turns "t sees <= t - lag" into a plain causal mask
-        qf, kf, vf = qf[:, lag:], kf[:, : T - lag], vf[:, : T - lag]
-    win = (window, 0) if window is not None else (-1, -1)
-    out = flash_attn_func(qf, kf, vf, softmax_scale=scale, causal=causal, window_size=win)  # (B, T-lag, nh, hd)
-    if lag:
-        out = torch.cat([out.new_zeros(B, lag, nh, hd), out], dim=1)
-    return out.transpose(1, 2)                                     # (B, nh, T, hd)
+def liger_unusable(device: torch.device | str) -> str | None:
+    """Why Liger's fused loss cannot run on tensors of ``device`` (None: it can)."""
+    if _liger_loss_cls() is None:
+        return "liger-kernel is not installed or does not import"
+    if not fused_device(device):
+        return "tensors are not on CUDA"
+    return None
 
 
-def visible_mask(t_idx: torch.Tensor, s_idx: torch.Tensor, window: int | None, lag: int) -> torch.Tensor:
-    """(Tq, Sk) bool: which keys s each query t may see (see module docstring)."""
-    rel = t_idx[:, None] - lag - s_idx[None, :]    # >= 0 means key at or before t - lag
-    mask = rel >= 0
-    if window is not None:
-        mask &= rel <= window
-    return mask
+def backend(device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> dict[str, str]:
+    """The rung of the attention ladder (``flash_attn``, ``torch_fused``, ``sdpa``) and the loss
+    kernel (``liger``, ``chunked``) the draft's training calls take on ``device`` (default: cuda if
+    present) under the current mode, for logs; ``dtype``, where known, is the attention's
+    (flash-attn refuses fp32: torch_fused then). Raises KernelUnavailable in ``fused`` mode when no
+    fused kernel can run (attention: flash-attn or torch's; loss: Liger)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    m = mode()
+    top = ATTENTION_RUNGS.index(top_rung())
+    flash_why = flash_unusable(device, dtype or torch.bfloat16) or (None if top < 1 else "below the top rung")
+    torch_why = torch_fused_unusable(device) or (None if top < 2 else "below the top rung")
+    liger_why = liger_unusable(device)
+    if m == "reference":
+        attention, liger = "sdpa", False
+    else:
+        attention = "flash_attn" if not flash_why else ("torch_fused" if not torch_why else "sdpa")
+        liger = liger_why is None
+    if m == "fused" and (attention == "sdpa" or not liger):
+        if not fused_device(device):
+            where = "no CUDA device"
+        else:
+            missing = ([f"fused attention ({torch_why})"] if attention == "sdpa" else []) + \
+                      (["liger-kernel"] if not liger else [])
+            where = f"{' and '.join(missing)} not importable"
+        raise KernelUnavailable(
+            f"kernels = fused but {where}; install the gpu extra (pip install 'longspec[gpu]') "
+            "on a CUDA machine, or set kernels=auto (fused where possible) or kernels=reference")
+    return {"attention": attention, "linear_cross_entropy": "liger" if liger else "chunked"}
 
 
-def _sdpa_attention(q, k, v, causal, window, lag, key_padding_mask, scale, q_chunk):
-    B, nh, T, hd = q.shape
-    kvh, S = k.shape[1], k.shape[2]
-    g = nh // kvh
-    if not causal:
-        mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
-        qg = q.reshape(B, kvh, g * T, hd)
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
-        return out.reshape(B, nh, T, hd)
-
-    first = min(lag, T)              # queries before `lag` see nothing: output 0
-    keys_per_query = S if window is None else min(S, window + 1)
-    if q_chunk is None:
-        q_chunk = _SDPA_SCORE_BUDGET // max(1, B * nh * 2 * keys_per_query)
-    q_chunk = max(16, int(q_chunk))
-    pieces = [q.new_zeros(B, nh, first, hd)] if first else []
-    # one chunk: its scores fit the budget, kept for backward as they are; several: checkpointed
-    call = _chunk_call if T - first > q_chunk else _sdpa_chunk
-    for t0 in range(first, T, q_chunk):
-        t1 = min(T, t0 + q_chunk)
-        lo = 0 if window is None else max(0, t0 - lag - window)       # first key any query here sees
-        hi = min(S, t1 - lag)                                          # one past the last one
-        pieces.append(call(q, k, v, t0, t1, lo, hi, window, lag, key_padding_mask, scale))
-    return torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
-
-
-def _chunk_call(q, k, v, *args):
-    """One query chunk. On the CPU under autograd through activation checkpointing: SDPA keeps the
-    chunk's mask (as floats) and its attention weights for backward, which over all chunks covers
-    g x T x keys whatever the heads (so sequence parallelism cut nothing there); checkpointed, a
-    call keeps only q, k, v (held anyway) and rebuilds one chunk at a time in backward: the same
-    values, one more forward per chunk."""
-    if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        from torch.utils.checkpoint import checkpoint
-
-        return checkpoint(_sdpa_chunk, q, k, v, *args, use_reentrant=False)
-    return _sdpa_chunk(q, k, v, *args)
-
-
-def attention_rows(q, k, v, start: int, *, window: int | None = None, lag: int = 0,
-                   key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of the queries at positions start .. start + Tq - 1 alone (q (B, nh, Tq,
-    hd); k, v (B, kvh, S, hd) from position 0): those rows of attention(..., causal=True), on the
-    reference path, without the queries before ``start``."""
-    B, nh, Tq, hd = q.shape
-    if key_padding_mask is not None:
-        key_padding_mask = key_padding_mask.to(device=q.device, dtype=torch.bool)
-        if key_padding_mask.all():
-            key_padding_mask = None
-    if k.dtype != q.dtype:
-        k, v = k.to(q.dtype), v.to(q.dtype)
-    S, scale = k.shape[2], 1.0 / math.sqrt(hd)
-    keys = S if window is None else min(S, window + 1)
-    step = max(16, _SDPA_SCORE_BUDGET // max(1, B * nh * 2 * keys))
-    pieces = []
-    for t0 in range(start, start + Tq, step):
-        t1 = min(start + Tq, t0 + step)
-        lo = 0 if window is None else max(0, t0 - lag - window)
-        pieces.append(_sdpa_chunk(q, k, v, t0, t1, lo, max(0, min(S, t1 - lag)), window, lag, key_padding_mask,
-                                  scale, q_at=start))
-    return torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
-
-
-def _sdpa_chunk(q, k, v, t0, t1, lo, hi, window, lag, key_padding_mask, scale, q_at: int = 0):
-    B, nh, _, hd = q.shape
-    kvh = k.shape[1]
-    g, Tc = nh // kvh, t1 - t0
-    if hi <= lo:   # no key in range (keys shorter than queries): nothing visible
-        return q.new_zeros(B, nh, Tc, hd)
-    dev = q.device
-    mask = visible_mask(torch.arange(t0, t1, device=dev), torch.arange(lo, hi, device=dev), window, lag)
-    mask = mask.repeat(g, 1)[None, None]                         # (1, 1, g*Tc, Sc): rows ordered (group, t)
-    if key_padding_mask is not None:
-        mask = mask & key_padding_mask[:, None, None, lo:hi]      # (B, 1, g*Tc, Sc)
-    row_ok = mask.any(-1, keepdim=True)                           # (., 1, g*Tc, 1)
-    all_ok = bool(row_ok.all())
-    if not all_ok:  # give empty rows one key so softmax stays finite, then zero them below
-        mask = mask | (~row_ok & (torch.arange(hi - lo, device=dev) == 0))
-    # Fold the query heads of each KV group into the sequence axis: no K/V copy per head.
-    qc = q[:, :, t0 - q_at:t1 - q_at].reshape(B, kvh, g * Tc, hd)  # (B, kvh, g*Tc, hd); q starts at q_at
-    kc, vc = k[:, :, lo:hi], v[:, :, lo:hi]                       # (B, kvh, Sc, hd)
-    out = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, scale=scale)
-    if not all_ok:
-        out = out * row_ok.to(out.dtype)
-    return out.reshape(B, nh, Tc, hd)
+def target_attn_implementation(dtype: torch.dtype | None = None) -> str:
+    """The transformers attention of the frozen target: flash-attn's where transformers finds it
+    on a CUDA machine, the mode allows fused kernels and ``dtype`` is fp16/bf16; else SDPA (its
+    causal path, torch's fused kernels, when there is no padding)."""
+    if (mode() == "reference" or top_rung() != "flash_attn" or not torch.cuda.is_available()
+            or dtype not in (None, torch.float16, torch.bfloat16)):
+        return "sdpa"
+    try:
+        from transformers.utils import is_flash_attn_2_available
+    except ImportError:
+        return "sdpa"
+    return "flash_attention_2" if is_flash_attn_2_available() and _flash_attn_func() is not None else "sdpa"
 
 
 # ----------------------------------------------------------------------------- linear cross entropy
@@ -341,8 +209,10 @@ def linear_cross_entropy(
     if impl == "liger" and not use_liger:
         raise KernelUnavailable("linear_cross_entropy: liger requested but not usable (needs CUDA and liger-kernel)")
     if impl != "chunked" and use_liger:
+        # The lm_head in its own dtype (no fp32 copy of a (V, H) weight per call); Liger upcasts
+        # each logits chunk to fp32 for the softmax.
         loss_fn = _liger_loss_cls()(ignore_index=ignore_index, reduction="mean")
-        return loss_fn(weight.float(), hidden.float(), labels).float()
+        return loss_fn(weight, hidden.to(weight.dtype), labels).float()
 
     grad_on = torch.is_grad_enabled()
     need_gh = grad_on and hidden.requires_grad

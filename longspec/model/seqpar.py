@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from longspec.model import comm, kernels
+from longspec.model import attention as attn_ladder, comm, kernels
 
 IGNORE = -100
 _HOOKED: dict[str, tuple[Any, Any]] = {}   # attn implementation -> (transformers' own function, Ulysses' hook)
@@ -146,8 +146,8 @@ def prepare(input_ids, labels, position_ids, attention_mask, size: int, rank: in
 # ----------------------------------------------------------------------------- attention
 
 def _local_attention(module, q, k, v, attention_mask, *, window=None, lag=0, key_padding_mask=None, **_):
-    """HF's attention-function signature around kernels.attention: q (B, nh/SP, T, hd) -> (B, T, nh/SP, hd)."""
-    y = kernels.attention(q, k, v, causal=True, window=window, lag=lag, key_padding_mask=key_padding_mask)
+    """HF's attention-function signature around attention.attention (the ladder): q (B, nh/SP, T, hd) -> (B, T, nh/SP, hd)."""
+    y = attn_ladder.attention(q, k, v, causal=True, window=window, lag=lag, key_padding_mask=key_padding_mask)
     return y.transpose(1, 2), None
 
 
@@ -172,7 +172,7 @@ def local_share(hidden, weight, shifted_labels, sp: SeqParallel, chunk_size=None
     y = shifted_labels.reshape(-1)
     n_local = (y != IGNORE).sum().to(torch.float32)
     n_all = comm.all_reduce(n_local, group=sp.group)
-    mean = kernels.linear_cross_entropy(hidden.reshape(-1, H).float(), weight, y, ignore_index=IGNORE,
+    mean = kernels.linear_cross_entropy(hidden.reshape(-1, H), weight, y, ignore_index=IGNORE,
                                         chunk_size=chunk_size)
     return mean * (n_local / n_all.clamp(min=1))
 

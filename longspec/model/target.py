@@ -134,7 +134,7 @@ def next_token_loss(hidden, weight, labels, attention_mask=None, chunk_size=None
     B, T, H = hidden.shape
     if attention_mask is not None:
         labels = labels.masked_fill(attention_mask.to(labels.device) == 0, -100)
-    h = hidden[:, :-1].reshape(-1, H).float()                       # (B*(T-1), H)
+    h = hidden[:, :-1].reshape(-1, H)                               # (B*(T-1), H), the kernel upcasts
     y = labels[:, 1:].reshape(-1)                                    # (B*(T-1),)
     return kernels.linear_cross_entropy(h, weight, y, ignore_index=-100, chunk_size=chunk_size)
 
@@ -146,9 +146,8 @@ def load_target(path: Path, dtype: torch.dtype, attn_implementation: str | None)
 
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"target model folder {path} has no config.json")
-    kwargs: dict[str, Any] = {}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
+    # None: flash-attn's where transformers finds it (and the dtype allows), else SDPA
+    kwargs: dict[str, Any] = {"attn_implementation": attn_implementation or kernels.target_attn_implementation(dtype)}
     dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     kwargs[dtype_kw] = dtype
     return AutoModelForCausalLM.from_pretrained(str(path), **kwargs)

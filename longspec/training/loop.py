@@ -152,11 +152,13 @@ class Session:
                f"ZeRO-{ds_conf['zero_optimization']['stage']}, {conf['precision']}, optimizer "
                f"{dsconfig.optimizer_name(getattr(self.engine, 'basic_optimizer', None))}, {self.per_epoch} "
                f"batches/epoch/rank, {len(self.dataset)} records")
-        print0(f"[{conf['stage']}] kernels ({conf['kernels']}): attention {self.backends['attention']}, "
-               f"loss {self.backends['linear_cross_entropy']}, tf32 {self.backends['tf32']}")
+        print0(f"[{conf['stage']}] kernels ({conf['kernels']}): attention {self.backends['attention']} "
+               f"(target {self.backends['target_attention']}), loss {self.backends['linear_cross_entropy']}, "
+               f"tf32 {self.backends['tf32']}")
 
     def _kernels(self, accel) -> dict[str, str]:
-        """Choose the attention / loss kernels (``kernels`` key) and turn TF32 on for CUDA's fp32
+        """Choose the attention / loss kernels (``kernels`` key: the attention ladder's rung, the
+        target's transformers attention, the loss kernel) and turn TF32 on for CUDA's fp32
         matmuls (the loss runs in fp32); what was chosen goes into the log and the start event."""
         import torch
 
@@ -166,7 +168,9 @@ class Session:
         device = "cpu" if self.on_cpu else accel.device_name()
         on_cuda = device.startswith("cuda")
         try:
-            chosen = kernels.backend(device if on_cuda else "cpu", getattr(torch, DTYPES[self.conf["precision"]]))
+            dtype = getattr(torch, DTYPES[self.conf["precision"]])
+            chosen = kernels.backend(device if on_cuda else "cpu", dtype)
+            chosen["target_attention"] = kernels.target_attn_implementation(dtype)
         except kernels.KernelUnavailable as e:
             raise TrainError(str(e), hint="`longspec doctor` shows which kernels this machine has") from None
         if on_cuda:

@@ -86,10 +86,10 @@ def control(target: str, vocab: int, rank: int):
 
 
 def attention_alone(rank: int) -> dict:
-    """seqpar.attention against kernels.attention on the whole sequence, for the key-value head
+    """seqpar.attention against attention.attention on the whole sequence, for the key-value head
     counts Ulysses splits (2 over SP 2) and replicates (1, as MQA): outputs and q/k/v gradients of
     this rank's chunk, with a window, a lag and right padding crossing the chunk boundary."""
-    from longspec.model import kernels
+    from longspec.model import attention
 
     sp = seqpar.SeqParallel(dist.group.WORLD, rank, 2)
     worst = {}
@@ -100,7 +100,7 @@ def attention_alone(rank: int) -> dict:
         mask[1, 17:] = 0                                      # padding from inside rank 0's chunk on
         for kw in ({"window": 5}, {"lag": 3}):
             full = [t.clone().requires_grad_() for t in (q, k, v)]
-            ref = kernels.attention(*full, causal=True, key_padding_mask=mask, **kw)   # (B, nh, T, hd)
+            ref = attention.attention(*full, causal=True, key_padding_mask=mask, **kw)   # (B, nh, T, hd)
             ref.pow(2).sum().backward()                       # the whole sequence's loss: both chunks'
             ref_out = ref.detach().transpose(1, 2).reshape(2, 40, -1)[:, rank * 20:(rank + 1) * 20]
             part = [t[:, :, rank * 20:(rank + 1) * 20].clone().requires_grad_() for t in (q, k, v)]

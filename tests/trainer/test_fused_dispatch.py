@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longspec.model import kernels
+from longspec.model import attention, kernels
 from longspec.decode import tree_attn
 from longspec.decode.chain import GlideProposer, greedy_decode, new_cache, speculative_decode
 from longspec.decode.tree import GlideTreeProposer, TokenTree, prefill_logits, tree_decode, verify_tree
@@ -30,7 +30,7 @@ def test_chain_decode_with_a_flash_draft_equals_greedy(family, fused_standins):
         got = speculative_decode(target, GlideProposer(glide.target, glide.draft), p, 3, 30)
         assert got.tokens == ref.tokens
     assert reached_from(fused_standins.flash.CALLERS, "decode/chain.py")
-    assert sites(fused_standins.flash.CALLERS) == {("model/kernels.py", "_flash_attention")}
+    assert sites(fused_standins.flash.CALLERS) == {("model/attention.py", "_flash_attention")}
 
 
 def test_tree_decode_under_the_standins_equals_greedy(family, fused_standins):
@@ -107,22 +107,23 @@ def test_verify_backend_follows_dtype_and_device(fused_standins):
 
 
 def test_the_dispatch_routes_fp32_away_from_flash(fused_standins):
-    """kernels.attention under the stand-ins: bf16 takes flash-attn, fp32 the SDPA path (auto) or a
-    clear refusal (fused); neither ever hands fp32 to flash-attn."""
+    """attention.attention under the stand-ins: bf16 takes flash-attn; fp32 torch's own fused rung
+    where it runs (the backend says so), the SDPA path where it does not (a windowed call needing a
+    backward on the CPU), or a clear refusal (fused); none ever hands fp32 to flash-attn."""
     from tests.trainer.test_kernels import rand_qkv
 
     assert kernels.backend(CPU) == {"attention": "flash_attn", "linear_cross_entropy": "liger"}
     assert kernels.backend(CPU, torch.bfloat16)["attention"] == "flash_attn"
-    assert kernels.backend(CPU, torch.float32) == {"attention": "sdpa", "linear_cross_entropy": "liger"}
+    assert kernels.backend(CPU, torch.float32) == {"attention": "torch_fused", "linear_cross_entropy": "liger"}
     q, k, v = rand_qkv(T=12, dtype=torch.float32)
-    kernels.attention(q, k, v, window=3)
+    attention.attention(q, k, v, window=3)
     assert fused_standins.flash.CALLERS == []
-    kernels.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), window=3)
-    assert sites(fused_standins.flash.CALLERS) == {("model/kernels.py", "_flash_attention")}
+    attention.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), window=3)
+    assert sites(fused_standins.flash.CALLERS) == {("model/attention.py", "_flash_attention")}
     kernels.set_mode("fused")
     try:
         with pytest.raises(kernels.KernelUnavailable, match="fp16 or bf16"):
-            kernels.attention(q, k, v, window=3)
+            attention.attention(q, k, v, window=3)
     finally:
         kernels.set_mode("auto")
     assert len(fused_standins.flash.CALLERS) == 1

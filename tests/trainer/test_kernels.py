@@ -1,4 +1,4 @@
-"""kernels.attention and kernels.linear_cross_entropy against naive loops / full logits."""
+"""attention.attention (the ladder) and kernels.linear_cross_entropy against naive loops / full logits."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from longspec.model import kernels
+from longspec.model import attention, kernels
 
 # ----------------------------------------------------------------------------- naive references
 
@@ -53,17 +53,17 @@ def rand_qkv(B=2, nh=4, kvh=2, T=23, hd=8, dtype=torch.float64, seed=0):
 @pytest.mark.parametrize("window,lag", [(None, 0), (1, 0), (4, 0), (None, 1), (None, 3), (3, 2), (50, 4)])
 def test_visible_mask_matches_rule(window, lag):
     T = 12
-    got = kernels.visible_mask(torch.arange(T), torch.arange(T), window, lag)
+    got = attention.visible_mask(torch.arange(T), torch.arange(T), window, lag)
     want = torch.tensor([[rule_sees(t, s, window, lag) for s in range(T)] for t in range(T)])
     assert torch.equal(got, want)
 
 
 def test_window_and_lag_examples():
-    m = kernels.visible_mask(torch.arange(10), torch.arange(10), 3, 0)
+    m = attention.visible_mask(torch.arange(10), torch.arange(10), 3, 0)
     assert m[9].nonzero().flatten().tolist() == [6, 7, 8, 9]     # window 3: t-3..t, 4 keys
-    m = kernels.visible_mask(torch.arange(10), torch.arange(10), 0, 0)
+    m = attention.visible_mask(torch.arange(10), torch.arange(10), 0, 0)
     assert m[9].nonzero().flatten().tolist() == [9]              # window 0: itself only
-    m = kernels.visible_mask(torch.arange(10), torch.arange(10), None, 2)
+    m = attention.visible_mask(torch.arange(10), torch.arange(10), None, 2)
     assert m[5].nonzero().flatten().tolist() == [0, 1, 2, 3]      # lag 2: 0..t-2
     assert not m[1].any()                                         # t < lag sees nothing
 
@@ -74,7 +74,7 @@ def test_window_and_lag_examples():
 @pytest.mark.parametrize("q_chunk", [16, None])
 def test_sdpa_attention_matches_naive_values_and_grads(window, lag, q_chunk):
     q, k, v = rand_qkv(T=37)
-    got = kernels.attention(q, k, v, window=window, lag=lag, impl="sdpa", q_chunk=q_chunk)
+    got = attention.attention(q, k, v, window=window, lag=lag, impl="sdpa", q_chunk=q_chunk)
     q2, k2, v2 = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
     want = naive_attention(q2, k2, v2, window=window, lag=lag)
     torch.testing.assert_close(got, want)
@@ -91,7 +91,7 @@ def test_sdpa_attention_with_padding_matches_naive():
     pad = torch.ones(2, 19, dtype=torch.long)
     pad[0, :5] = 0          # left padding on row 0: its first queries see nothing at all
     pad[1, 15:] = 0         # right padding on row 1
-    got = kernels.attention(q, k, v, window=6, key_padding_mask=pad, impl="sdpa", q_chunk=16)
+    got = attention.attention(q, k, v, window=6, key_padding_mask=pad, impl="sdpa", q_chunk=16)
     want = naive_attention(q.detach(), k.detach(), v.detach(), window=6, pad=pad)
     torch.testing.assert_close(got, want)
     got.sum().backward()
@@ -100,7 +100,7 @@ def test_sdpa_attention_with_padding_matches_naive():
 
 def test_lag_rows_are_zero_and_grads_finite():
     q, k, v = rand_qkv(T=10, dtype=torch.float32)
-    out = kernels.attention(q, k, v, lag=4)
+    out = attention.attention(q, k, v, lag=4)
     assert torch.count_nonzero(out[:, :, :4]) == 0
     assert torch.count_nonzero(out[:, :, 4:]) > 0
     out.pow(2).sum().backward()
@@ -109,13 +109,13 @@ def test_lag_rows_are_zero_and_grads_finite():
 
 def test_lag_longer_than_sequence_gives_zeros():
     q, k, v = rand_qkv(T=3, dtype=torch.float32)
-    out = kernels.attention(q, k, v, lag=5)
+    out = attention.attention(q, k, v, lag=5)
     assert out.shape == q.shape and torch.count_nonzero(out) == 0
 
 
 def test_non_causal_gqa_matches_repeated_heads():
     q, k, v = rand_qkv(T=9)
-    got = kernels.attention(q, k, v, causal=False)
+    got = attention.attention(q, k, v, causal=False)
     kr, vr = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
     torch.testing.assert_close(got, F.scaled_dot_product_attention(q, kr, vr))
 
@@ -123,9 +123,9 @@ def test_non_causal_gqa_matches_repeated_heads():
 def test_attention_rejects_bad_shapes():
     q, k, v = rand_qkv()
     with pytest.raises(ValueError, match="multiple"):
-        kernels.attention(q[:, :3], k, v)
+        attention.attention(q[:, :3], k, v)
     with pytest.raises(ValueError, match="causal"):
-        kernels.attention(q, k, v, causal=False, lag=1)
+        attention.attention(q, k, v, causal=False, lag=1)
 
 
 def test_backend_on_cpu_is_reference():
@@ -150,10 +150,10 @@ def test_fused_mode_refuses_to_fall_back(kernel_mode):
 
 def test_flash_blockers_name_the_reason():
     q, k, _ = rand_qkv(T=6, dtype=torch.float32)
-    why = kernels._flash_blocker(q, k, True, None)
+    why = attention.flash_blocker(q, k, True, None)
     assert why and ("not installed" in why or "CUDA" in why)
-    assert kernels._right_padded(torch.tensor([[1, 1, 0], [1, 1, 1]]).bool())
-    assert not kernels._right_padded(torch.tensor([[0, 1, 1]]).bool())
+    assert attention._right_padded(torch.tensor([[1, 1, 0], [1, 1, 1]]).bool())
+    assert not attention._right_padded(torch.tensor([[0, 1, 1]]).bool())
 
 
 # ----------------------------------------------------------------------------- linear cross entropy
@@ -237,11 +237,11 @@ def test_linear_ce_under_no_grad():
 @pytest.mark.parametrize("window,lag", [(None, 0), (64, 0), (None, 3), (5, 2)])
 def test_flash_attention_matches_sdpa(fused_env, window, lag):
     if kernels.backend(fused_env)["attention"] != "flash_attn":
-        pytest.skip("needs flash-attn")
+        pytest.skip(f"needs flash-attn ({kernels.flash_unusable(fused_env, torch.bfloat16)})")
     T = 300 if fused_env == "cuda" else 70
     q, k, v = (x.detach().to(fused_env, torch.bfloat16).requires_grad_(True) for x in rand_qkv(T=T, hd=64))
-    got = kernels.attention(q, k, v, window=window, lag=lag, impl="flash")
-    want = kernels.attention(q, k, v, window=window, lag=lag, impl="sdpa")
+    got = attention.attention(q, k, v, window=window, lag=lag, impl="flash_attn")
+    want = attention.attention(q, k, v, window=window, lag=lag, impl="sdpa")
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     dout = torch.randn_like(got)
     gq_flash, gk_flash = torch.autograd.grad(got, (q, k), dout)
@@ -252,7 +252,7 @@ def test_flash_attention_matches_sdpa(fused_env, window, lag):
 
 def test_liger_matches_chunked(fused_env):
     if kernels.backend(fused_env)["linear_cross_entropy"] != "liger":
-        pytest.skip("needs liger-kernel")
+        pytest.skip(f"needs liger-kernel ({kernels.liger_unusable(fused_env)})")
     hidden, weight, labels = (x.to(fused_env) for x in ce_inputs(N=512, H=64, V=1000))
     h1, h2 = hidden.clone().requires_grad_(True), hidden.clone().requires_grad_(True)
     w1, w2 = weight.clone().requires_grad_(True), weight.clone().requires_grad_(True)

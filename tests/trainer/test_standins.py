@@ -176,7 +176,7 @@ def test_liger_wrong_calls_are_refused_or_differ():
 # Each function in longspec/ that calls into flash-attn or Liger -> the test that runs it under the
 # stand-ins and checks (through the stand-ins' CALLERS) that the call came from that very function.
 COVERED = {
-    ("model/kernels.py", "_flash_attention", "flash_attn_func"):
+    ("model/attention.py", "_flash_attention", "flash_attn_func"):
         "tests/trainer/test_reference_parity.py::test_fused_path_matches_the_dense_reference",
     ("model/kernels.py", "linear_cross_entropy", "LigerFusedLinearCrossEntropyLoss"):
         "tests/trainer/test_reference_parity.py::test_fused_path_matches_the_dense_reference",

@@ -456,8 +456,8 @@ def test_stage1_one_rank_zero1_trains_and_fills_the_run_folder(base_run):
     assert kinds[0] == "start" and kinds[-1] == "end"
     # the kernels actually used are on record (and in the rank-0 log): the reference path on CPU
     assert events_of(run)[0]["kernels"] == {"attention": "sdpa", "linear_cross_entropy": "chunked",
-                                            "tf32": "off"}
-    assert "[base] kernels (auto): attention sdpa, loss chunked, tf32 off" in proc.stdout
+                                            "target_attention": "sdpa", "tf32": "off"}
+    assert "[base] kernels (auto): attention sdpa (target sdpa), loss chunked, tf32 off" in proc.stdout
     ckpt_events = [e["step"] for e in events_of(run) if e["event"] == "checkpoint"]
     assert ckpt_events == list(range(BASE_SAVE, BASE_STEPS + 1, BASE_SAVE))
     # save_total_limit 2: the two newest complete checkpoints stay
