@@ -18,7 +18,7 @@ from longspec.training.rank import (print0, progress, rank, seeded, single_proce
                                     unlink_shm_buffer, world_size)
 from longspec.training.entry import TrainError, implied_config_dir, make_hydra_entry, read_config
 from longspec.training.preempt import EXIT_PREEMPTED, WATCH
-from longspec.training.preflight import (DTYPES, Origin, Preflight, config_origin, cpu_adam_error, preflight,
+from longspec.training.preflight import (DTYPES, Origin, Preflight, choose_kernels, config_origin, cpu_adam_error, preflight,
                                 training_config_yaml, wants_offload)
 from longspec.training.resume import decide_resume
 from longspec_cli.core import cudaarch, runfolder
@@ -136,7 +136,7 @@ class Session:
             self.out.write_training_config(training_config_yaml(conf, ds_conf, self.origin))
             self.simtau.commit()
 
-        self.backends = self._kernels(accel)               # KernelUnavailable before the model loads
+        self.backends = choose_kernels(conf, accel, self.on_cpu)   # KernelUnavailable before the model loads
         self.engine = self._engine(ds_conf)
         self.trackers = runwriter.Trackers(conf, self.out.dir, enabled=self.rank == 0)
         if resume_from is not None:
@@ -155,29 +155,6 @@ class Session:
         print0(f"[{conf['stage']}] kernels ({conf['kernels']}): attention {self.backends['attention']} "
                f"(target {self.backends['target_attention']}), loss {self.backends['linear_cross_entropy']}, "
                f"tf32 {self.backends['tf32']}")
-
-    def _kernels(self, accel) -> dict[str, str]:
-        """Choose the attention / loss kernels (``kernels`` key: the attention ladder's rung, the
-        target's transformers attention, the loss kernel) and turn TF32 on for CUDA's fp32
-        matmuls (the loss runs in fp32); what was chosen goes into the log and the start event."""
-        import torch
-
-        from longspec.model import kernels
-
-        kernels.set_mode(self.conf["kernels"])
-        device = "cpu" if self.on_cpu else accel.device_name()
-        on_cuda = device.startswith("cuda")
-        try:
-            dtype = getattr(torch, DTYPES[self.conf["precision"]])
-            chosen = kernels.backend(device if on_cuda else "cpu", dtype)
-            chosen["target_attention"] = kernels.target_attn_implementation(dtype)
-        except kernels.KernelUnavailable as e:
-            raise TrainError(str(e), hint="`longspec doctor` shows which kernels this machine has") from None
-        if on_cuda:
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
-            torch.set_float32_matmul_precision("high")
-        return {**chosen, "tf32": "on" if on_cuda else "off"}
 
     def _loader(self, epoch: int, skip: int):
         from longspec.data import encoding

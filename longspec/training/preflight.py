@@ -213,3 +213,28 @@ def training_config_yaml(conf: dict, ds_conf: dict, origin: Origin) -> str:
             f"# overrides: {' '.join(origin.overrides) or '(none)'}\n"
             f"# config_sha256: {origin.config_sha256}\n")
     return head + OmegaConf.to_yaml(OmegaConf.create({**conf, "ds_cfg": ds_conf}))
+
+
+def choose_kernels(conf: dict, accel, on_cpu: bool) -> dict[str, str]:
+    """The attention / loss kernels (``kernels`` key: the attention ladder's rung, the target's
+    transformers attention, the loss kernel), TF32 on for CUDA's fp32 matmuls (the loss runs in
+    fp32); what was chosen goes into the log and the start event. TrainError when `kernels: fused`
+    cannot run here."""
+    import torch
+
+    from longspec.model import kernels
+
+    kernels.set_mode(conf["kernels"])
+    device = "cpu" if on_cpu else accel.device_name()
+    on_cuda = device.startswith("cuda")
+    try:
+        dtype = getattr(torch, DTYPES[conf["precision"]])
+        chosen = kernels.backend(device if on_cuda else "cpu", dtype)
+        chosen["target_attention"] = kernels.target_attn_implementation(dtype)
+    except kernels.KernelUnavailable as e:
+        raise TrainError(str(e), hint="`longspec doctor` shows which kernels this machine has") from None
+    if on_cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.set_float32_matmul_precision("high")
+    return {**chosen, "tf32": "on" if on_cuda else "off"}
