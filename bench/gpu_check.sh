@@ -6,6 +6,7 @@
 #   PYTHON=/path/to/python bench/gpu_check.sh out.json logs/
 #   bench/gpu_check.sh --dry-run out.json           # no GPU: tiny shapes on the CPU (checks the script)
 #   PARTS="doctor demo" bench/gpu_check.sh out.json  # some parts only (default: all five)
+#   DEADLINE=600 bench/gpu_check.sh out.json         # the whole run's bound in seconds (default 480)
 #
 # An offline node gets longspec's needs as wheels built elsewhere (../shared/offline-gpu/wheelhouse.sh
 # in the development tree; any `pip download` of the train extra for the node's Python will do).
@@ -38,10 +39,14 @@ t_start=$(date +%s)
 say() { echo "[gpu_check $(( $(date +%s) - t_start ))s] $*"; }
 
 PARTS=" ${PARTS:-doctor tests demo step sp} "
+DEADLINE=${DEADLINE:-480}   # seconds for the whole script: each part's timeout is cut to fit
 # part NAME TIMEOUT CMD...: runs CMD under TIMEOUT, its output in $WORK/NAME.log; writes NAME.part
 part() {
   local name=$1 limit=$2; shift 2
   [[ "$PARTS" == *" $name "* ]] || { say "$name: not asked for"; return 0; }
+  local left=$(( DEADLINE - ($(date +%s) - t_start) - 20 ))   # the JSON at the end always gets written
+  (( left < 15 )) && { say "$name: no time left (DEADLINE=$DEADLINE s)"; echo "124 0 0" >"$WORK/$name.part"; return 124; }
+  (( limit > left )) && limit=$left
   local t0; t0=$(date +%s)
   timeout --kill-after=10 "$limit" "$@" >"$L/$name.log" 2>&1
   local rc=$?
@@ -67,16 +72,23 @@ if [[ -n "$MISSING" ]]; then
 fi
 
 if [[ -z "$MISSING" ]]; then
-  # ---- doctor (seconds)
-  # ---- doctor, then the tests, beside the demo (correctness, none of them timed)
+  # ---- doctor, the tests, then SP 1 vs 2 (its memory, not its time), beside the demo
   (
     part doctor 60 "$PY" -m longspec.doctor --json --dir "$WORK"
     if [[ $DRY == 1 ]]; then
       part tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/trainer/test_gpu_check.py -k parses
     else
-      part tests 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs --junitxml="$WORK/tests.xml" \
+      part tests 200 "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs --junitxml="$WORK/tests.xml" \
           tests/trainer/test_kernels.py tests/trainer/test_attention_ladder.py tests/trainer/test_reference_parity.py \
           tests/trainer/test_tree_decode.py tests/trainer/test_fused_dispatch.py
+    fi
+    # ---- sequence parallel: SP 1 vs SP 2
+    if [[ $DRY == 1 ]]; then
+      part sp 120 "$PY" bench/bench_sp.py --device cpu --dims small --layers 1 --seq 64 --steps 1 --warmup 0 \
+          --out "$WORK/sp.json"
+    else
+      part sp 90 "$PY" bench/bench_sp.py --device cuda --dims qwen7b --layers 4 --seq 32768 --steps 2 --timeout 40 \
+          --out "$WORK/sp.json"
     fi
   ) &
   tests_pid=$!
@@ -97,20 +109,12 @@ for st in status["stages"]:
 print(json.dumps(out))
 PYEOF
   wait "$tests_pid"
-  # ---- the GLIDE step (alone on the GPU: timed)
+  # ---- the GLIDE step, last and alone on the GPU (timed)
   if [[ $DRY == 1 ]]; then
     part step 170 "$PY" bench/gpu_check.py --dry-run --out "$WORK/step.json"
   else
     part step "${STEP_TIMEOUT:-200}" "$PY" bench/gpu_check.py --seq 8192 16384 32768 65536 --steps 2 --warmup 1 \
         --length-timeout 60 --out "$WORK/step.json"
-  fi
-  # ---- sequence parallel: SP 1 vs SP 2
-  if [[ $DRY == 1 ]]; then
-    part sp 120 "$PY" bench/bench_sp.py --device cpu --dims small --layers 1 --seq 64 --steps 1 --warmup 0 \
-        --out "$WORK/sp.json"
-  else
-    part sp 100 "$PY" bench/bench_sp.py --device cuda --dims qwen7b --layers 4 --seq 32768 --steps 2 --timeout 45 \
-        --out "$WORK/sp.json"
   fi
 fi
 
