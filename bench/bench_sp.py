@@ -46,6 +46,17 @@ DIMS = {
 }
 
 
+
+def rank_failure(text: str, keep: int = 1500) -> str:
+    """A rank's own traceback (its last line says what failed), not the launcher's that follows it."""
+    lines = text.splitlines()
+    own = [i for i, line in enumerate(lines) if line.startswith("Traceback") or "[rank" in line and "Traceback" in line]
+    if own:
+        end = next((j for j in range(own[0] + 1, len(lines)) if lines[j] and not lines[j][0].isspace()
+                    and not lines[j].startswith(("Traceback", "During handling"))), len(lines) - 1)
+        return "\n".join(lines[own[0]:end + 1])[-keep:]
+    return text[-keep:]
+
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -151,7 +162,7 @@ def launch(a: argparse.Namespace, ranks: int, seq: int, out: Path) -> dict:
     except subprocess.TimeoutExpired:
         return {"seq_len": seq, "sp": ranks, "error": f"over {a.timeout} s"}
     if proc.returncode != 0:
-        return {"seq_len": seq, "sp": ranks, "error": f"rc {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"}
+        return {"seq_len": seq, "sp": ranks, "error": f"rc {proc.returncode}: {rank_failure(proc.stderr or proc.stdout)}"}
     return json.loads(out.read_text())[0]
 
 
