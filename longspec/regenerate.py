@@ -1,7 +1,7 @@
 """Regenerate a stage's answers with its own target, so the draft learns what the target writes.
 
     python -m longspec.regenerate --config-dir DIR/conf +exp=STAGE [key=value ...] --out DIR
-        [--server URL ...] [--concurrency N] [--api completions|chat] [--batch N]
+        [--server URL ...] [--api-key-env NAME ...] [--concurrency N] [--api completions|chat] [--batch N]
         [--prefix-tokens N] [--max-new-tokens N] [--shard-rows N] [--limit N] [--server-wait S]
         [--keep-truncated] [--force] [--json] [--rerun COMMAND]
 
@@ -12,10 +12,13 @@ longspec.data.regen, and writes OUT as ordered parquet shards plus manifest.json
 shards), then resumes after the last complete shard; another source, target or setting is refused
 (exit 1, the reason) unless --force. A server that gives no answer leaves the rotation
 (longspec.decode.servers); when none has answered for --server-wait seconds (60) the run stops.
+A server's key comes from the environment only (OPENAI_API_KEY, or the variable --api-key-env
+names: longspec_cli.core.serverkeys) and is shown nowhere; a 401 or 403 stops the run at once.
 
-Exit codes: 0 done, 1 refused or a config error, 3 unreadable input, 5 stopped by SIGTERM,
-6 stopped because no server answered for --server-wait seconds, 7 done but rows failed (a rerun
-asks them again), 130 stopped by SIGINT (5, 6 and 130 after writing the rows done so far).
+Exit codes: 0 done, 1 refused (a config error, a key a server refused), 3 unreadable input,
+5 stopped by SIGTERM, 6 stopped because no server answered for --server-wait seconds, 7 done but
+rows failed (a rerun asks them again), 130 stopped by SIGINT (5, 6 and 130 after writing the rows
+done so far).
 --rerun is the command the messages and the manifest name to go on (`longspec regenerate` passes
 its own). Progress on stderr; --json prints the summary as one JSON line on stdout.
 """
@@ -39,11 +42,12 @@ EXIT_REFUSED, EXIT_INPUT, EXIT_TERM, EXIT_INT = 1, 3, 5, 130
 EXIT_SERVERS, EXIT_FAILED = SERVERS_GONE, ROWS_FAILED           # 6, 7 (longspec_cli.errors)
 INT_FLAGS = ("concurrency", "batch", "prefix-tokens", "max-new-tokens", "shard-rows", "limit", "window",
              "server-wait")
-DEFAULTS = {"out": None, "server": [], "api": "completions", "concurrency": 4, "batch": 8, "prefix-tokens": 128,
-            "max-new-tokens": None, "shard-rows": 1000, "limit": None, "window": None, "server-wait": 60,
+DEFAULTS = {"out": None, "server": [], "api-key-env": [], "api": "completions", "concurrency": 4, "batch": 8,
+            "prefix-tokens": 128, "max-new-tokens": None, "shard-rows": 1000, "limit": None, "window": None, "server-wait": 60,
             "keep-truncated": False, "force": False, "json": False, "rerun": None}
 FLAGS: dict = {}
 STOP: list[int] = []          # the exit code a stop signal asked for
+REFUSED: list[str] = []       # a server refused the key (401/403): the run stops, this is why
 
 
 def take_flags(argv: list[str]) -> tuple[list[str], dict]:
@@ -60,8 +64,8 @@ def take_flags(argv: list[str]) -> tuple[list[str], dict]:
                 if i + 1 >= len(argv):
                     raise SystemExit(f"error: {a} needs a value")
                 value, i = argv[i + 1], i + 1
-            if name == "server":
-                flags["server"].append(value)
+            if name in ("server", "api-key-env"):
+                flags[name].append(value)
             elif name in INT_FLAGS:
                 if not value.isdigit() or int(value) < 1:
                     raise SystemExit(f"error: --{name} {value}: a positive whole number")
@@ -131,11 +135,16 @@ def run(cfg) -> dict:
         gone = engine.kind == "server" and engine.gone
         if engine.kind == "server":
             engine.close()
-        complete = not (STOP or gone) and writer.next >= total and not writer.totals.get("failed")
+        complete = not (STOP or REFUSED or gone) and writer.next >= total and not writer.totals.get("failed")
         S.write_manifest(out, expect, engine.describe(), writer.totals, total, writer.next, complete, rerun)
         progress.end()
     if not STOP:
         clear_progress(out)                            # ended by itself: the manifest says how
+    if REFUSED:
+        from longspec.decode.engines import KeyRefused
+
+        raise KeyRefused(f"{REFUSED[0]}; the rows done are kept ({writer.next}/{total} records), "
+                         "the same command goes on once the key is right")
     seconds = time.monotonic() - t0
     made = writer.totals["completion_tokens"] - progress.tokens0
     return {"stage": conf["stage"], "out": str(out), "engine": engine.describe(), "records": total,
@@ -151,7 +160,8 @@ def _engine(target: Path, tok):
 
     if FLAGS["server"]:
         return ServerEngine(FLAGS["server"], FLAGS["concurrency"], FLAGS["api"],
-                            template_kwargs=R.CHAT_TEMPLATE_KWARGS, wait=FLAGS["server-wait"])
+                            template_kwargs=R.CHAT_TEMPLATE_KWARGS, wait=FLAGS["server-wait"],
+                            key_envs=FLAGS["api-key-env"])
     return EmbeddedEngine(target, tok, FLAGS["batch"])
 
 
@@ -180,11 +190,13 @@ def _embedded(engine, prompter, rows, progress):
 
 
 def _served(engine, prompter, rows, progress):
-    from longspec.decode.engines import EngineError, ordered
+    from longspec.decode.engines import EngineError, KeyRefused, ordered
     from longspec.decode.servers import ServersGone
 
     def step(row):
         while row.status == "pending":
+            if REFUSED or engine.gone:
+                return                                 # the run stops: a row not started is left for a rerun
             q = prompter.next_request(row)
             if q is None:
                 return
@@ -193,11 +205,14 @@ def _served(engine, prompter, rows, progress):
                 prompter.take(row, q, engine.ask(q, msgs))
             except ServersGone:
                 return                                 # left pending: not written, a rerun makes it
+            except KeyRefused as e:
+                REFUSED.append(str(e))                 # every request would be refused: stop, not a row failure
+                return
             except EngineError as e:
                 row.status, row.reason = "failed", str(e)
 
     window = FLAGS["window"] or len(engine.urls) * engine.concurrency * 4
-    yield from ordered(engine, rows, step, window, lambda: bool(STOP) or engine.gone)
+    yield from ordered(engine, rows, step, window, lambda: bool(STOP or REFUSED) or engine.gone)
 
 
 class Progress:

@@ -46,6 +46,10 @@ class EngineError(RuntimeError):
     """A request that failed for good (the row is counted failed) or a server that cannot be used."""
 
 
+class KeyRefused(EngineError):
+    """A server answered 401 or 403: the key is missing or wrong. The run stops at once."""
+
+
 class EmbeddedEngine:
     """Greedy decoding on the target in this process, `batch` prompts at a time."""
 
@@ -113,10 +117,22 @@ class ServerEngine:
     kind = "server"
 
     def __init__(self, urls: list[str], concurrency: int = 4, api: str = "completions", timeout: float = 600.0,
-                 retries: int = 5, backoff: float = 1.0, template_kwargs: dict | None = None, wait: float = 60.0):
+                 retries: int = 5, backoff: float = 1.0, template_kwargs: dict | None = None, wait: float = 60.0,
+                 key_envs: list[str] | None = None):
+        """key_envs: the environment variables the servers' keys are read from (longspec_cli.core.
+        serverkeys: OPENAI_API_KEY by default, one for all or one per server); a key is sent as
+        `Authorization: Bearer KEY` and shown nowhere."""
+        from longspec_cli.core import serverkeys
+
         if api not in ("completions", "chat"):
             raise EngineError(f"server api {api!r}: choose completions or chat")
+        try:
+            plan = serverkeys.plan(list(urls), list(key_envs or []))
+        except serverkeys.KeyProblem as e:
+            raise EngineError(str(e)) from None
         self.urls = [u.rstrip("/").removesuffix("/v1") for u in urls]
+        self._keys = {u: serverkeys.key_of(k) for u, k in zip(self.urls, plan)}
+        self.key_envs = {u: k.env for u, k in zip(self.urls, plan)}
         self.concurrency, self.api, self.timeout = concurrency, api, timeout
         self.retries, self.backoff = retries, backoff
         self.template_kwargs = dict(template_kwargs or {})
@@ -130,7 +146,7 @@ class ServerEngine:
 
     def describe(self) -> dict:
         return {"kind": self.kind, "servers": self.urls, "api": self.api, "concurrency": self.concurrency,
-                "models": self.models}
+                "models": self.models, "key_envs": {u: e for u, e in self.key_envs.items() if self._keys[u]}}
 
     def close(self) -> None:
         self.rotation.close()
@@ -149,6 +165,13 @@ class ServerEngine:
                 time.sleep(self.backoff * 2 ** k)
         data = doc.get("data") if isinstance(doc, dict) else None
         return data[0].get("id") if data and isinstance(data[0], dict) else None
+
+    def _refusal(self, url: str, code: int) -> str:
+        env = self.key_envs[url]
+        if not self._keys.get(url):
+            return (f"server {url} wants a key (HTTP {code}) and none was sent: {env} is not set; export it, or "
+                    "name the variable that holds the key with --api-key-env NAME")
+        return f"server {url} refused the key read from {env} (HTTP {code}; the key is not shown): check {env}"
 
     def _probe(self, url: str) -> None:
         self._call(url, "/v1/models", None, timeout=5.0)
@@ -200,11 +223,16 @@ class ServerEngine:
         last = ""
         for k in range(self.retries + 1):
             data = None if body is None else json.dumps(body).encode()
-            req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+            headers = {"Content-Type": "application/json"}
+            if self._keys.get(url):
+                headers["Authorization"] = f"Bearer {self._keys[url]}"
+            req = urllib.request.Request(url + path, data=data, headers=headers)
             try:
                 with urllib.request.urlopen(req, timeout=timeout or self.timeout) as r:
                     return json.loads(r.read())
             except urllib.error.HTTPError as e:
+                if e.code in (401, 403):
+                    raise KeyRefused(self._refusal(url, e.code)) from None
                 detail = e.read()[:300].decode("utf-8", "replace")   # a 500 body may be plain text
                 last = f"HTTP {e.code}: {detail}"
                 if e.code not in RETRY_CODES:

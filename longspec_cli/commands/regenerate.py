@@ -24,6 +24,8 @@ EPILOG = """Examples:
 
   longspec regenerate demo longcot --server http://node1:8000 --server http://node2:8000
 
+  VLLM_KEY=... longspec regenerate demo longcot --server https://vllm.example:8000 --api-key-env VLLM_KEY
+
 Chat and chain-of-thought records keep their system and user turns; the target answers each
 assistant turn on its own regenerated history, rendered by its chat template as the stage's
 collator renders it. Documents keep their first --prefix-tokens tokens as untrained context and
@@ -44,19 +46,28 @@ exits 7, and the same command again asks exactly those rows again (no --force ne
 --api completions (default) sends the prompt as rendered here, less the BOS the server's tokenizer
 adds back (the trainer's tokens); --api chat sends the turns with chat_template_kwargs.
 
+A server that wants a key (vLLM --api-key, hosted endpoints) gets `Authorization: Bearer KEY`,
+the key read from OPENAI_API_KEY or the variable --api-key-env names (once for all servers, or once
+per --server in order); never from the command line, and shown in no output, log or manifest. A
+URL with credentials in it is refused. A 401 or 403 stops the run at once (exit 1).
+
 --use refuses a folder with failed or missing rows unless --force. --force starts a folder made
 otherwise (another source, target or setting) over; a folder made the same way is continued.
 
 Exit codes: 0 ok, 1 refused (a folder made otherwise, a server that does not answer at the start,
-config errors), 2 usage, 3 unreadable input, 5 stopped by SIGTERM, 6 stopped: no server answered
-for --server-wait seconds, 7 rows failed, 130 Ctrl-C (5, 6, 7 and 130 keep the rows done; the
-same command again goes on)."""
+a key a server refused, config errors), 2 usage (a URL with credentials, a key variable unset),
+3 unreadable input, 5 stopped by SIGTERM, 6 stopped: no server answered for --server-wait
+seconds, 7 rows failed, 130 Ctrl-C (5, 6, 7 and 130 keep the rows done; the same command again
+goes on)."""
 
 
 def regenerate_cmd(
     project_dir: Path = typer.Argument(..., help="Project folder (or its longspec.yaml).", show_default=False),
     stages: Optional[List[str]] = typer.Argument(None, help="Stages to regenerate (default: all).", show_default=False),
     server: Optional[List[str]] = typer.Option(None, "--server", help="An OpenAI-compatible server's URL (repeat for several)."),
+    api_key_env: Optional[List[str]] = typer.Option(
+        None, "--api-key-env", help="The environment variable holding the servers' key (default OPENAI_API_KEY; "
+        "once for all, or once per --server). Never the key itself."),
     concurrency: int = typer.Option(4, "--concurrency", min=1, help="Requests at a time per server."),
     server_wait: int = typer.Option(60, "--server-wait", min=1,
                                     help="Seconds without any server answering before the run stops (exit 6)."),
@@ -82,10 +93,18 @@ def regenerate_cmd(
 
         if api not in ("completions", "chat"):
             raise UsageError(f"--api {api!r}: choose completions or chat")
+        from longspec_cli.core import serverkeys
+
+        try:
+            serverkeys.plan(list(server or ()), list(api_key_env or ()))
+        except serverkeys.KeyProblem as e:
+            raise UsageError(str(e), hint=f"export {serverkeys.DEFAULT_ENV}=... (or the variable --api-key-env "
+                             "names) in the shell or the sbatch script that runs this") from None
         manifest = load_manifest(project_dir)
         chosen = [manifest.stage(s) for s in stages] if stages else list(manifest.stages)
         # the flags as given (the module's defaults are the same), so the rerun command reads as typed
         flags = [a for u in server or () for a in ("--server", u)]
+        flags += [a for n in api_key_env or () for a in ("--api-key-env", n)]       # names, never keys
         for name, value, default in (("--concurrency", concurrency, 4), ("--server-wait", server_wait, 60),
                                      ("--api", api, "completions"), ("--batch", batch, 8),
                                      ("--prefix-tokens", prefix_tokens, 128), ("--max-new-tokens", max_new_tokens, None),

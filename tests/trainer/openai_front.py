@@ -5,6 +5,7 @@ with a 400 (a request the server rejects for itself). It records what it saw."""
 
 from __future__ import annotations
 
+import ssl
 import threading
 import urllib.error
 import urllib.request
@@ -13,8 +14,11 @@ from typing import Callable
 
 
 class Front:
-    def __init__(self, upstream: str, key: str | None = None, refuse: Callable[[bytes], bool] | None = None):
+    def __init__(self, upstream: str, key: str | None = None, refuse: Callable[[bytes], bool] | None = None,
+                 tls: tuple[str, str] | None = None):
+        """tls: (certificate, private key) files: the front speaks https."""
         self.upstream, self.key, self.refuse = upstream, key, refuse
+        self.open: set[str] = set()                 # paths served without the key
         self.seen: list[dict] = []                  # {path, auth} per request
         self.refused = 0
         front = self
@@ -35,7 +39,7 @@ class Front:
             def _pass(self, body: bytes | None) -> None:
                 auth = self.headers.get("Authorization")
                 front.seen.append({"path": self.path, "auth": auth})
-                if front.key is not None and auth != f"Bearer {front.key}":
+                if front.key is not None and auth != f"Bearer {front.key}" and self.path not in front.open:
                     return self._send(401, b'{"error": "Unauthorized"}')
                 if body is not None and front.refuse is not None and front.refuse(body):
                     front.refused += 1
@@ -55,7 +59,11 @@ class Front:
                 self._pass(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        if tls:
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.load_cert_chain(*tls)
+            self.httpd.socket = ctx.wrap_socket(self.httpd.socket, server_side=True)
+        self.url = f"http{'s' if tls else ''}://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
     def close(self) -> None:

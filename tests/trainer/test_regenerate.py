@@ -531,3 +531,72 @@ def test_failed_rows_exit_7_are_not_used_and_the_same_command_asks_exactly_them_
     finally:
         front.close()
 
+
+# ----------------------------------------------------------------------------- servers that want a key
+
+def _self_signed(folder: Path) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 (openssl), for the front's https."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    return str(cert), str(key)
+
+
+def test_a_server_that_wants_a_key_gets_it_from_the_environment_and_it_shows_nowhere(server, embedded, work, project):
+    """A key-checking https front before the real server: with the right key (from the variable
+    --api-key-env names) the rows are the embedded engine's; with none or a wrong one the run stops
+    at its first request that is refused, exit 1, saying which server and variable (the front
+    first leaves /v1/models open, so the refusal comes mid-run, not at the start); a URL with credentials and an
+    unset variable are refused before any request (exit 2). No file the runs wrote, no output and
+    no manifest holds the key's text."""
+    from tests.trainer.openai_front import Front
+
+    key, wrong, password = "sk-right-" + os.urandom(12).hex(), "sk-wrong-" + os.urandom(12).hex(), os.urandom(8).hex()
+    cert, tls_key = _self_signed(work)
+    front = Front(server, key=key, tls=(cert, tls_key))
+    out, said = work / "out-key", []
+
+    def run(*extra: str, code: int, **variables: str) -> str:
+        e = {k: v for k, v in env(work).items() if k != "OPENAI_API_KEY"}
+        proc = subprocess.run(cmd(work, "cot", out, "--limit", "4", "--server", front.url, *extra), cwd=work,
+                              env={**e, "SSL_CERT_FILE": cert, **variables}, capture_output=True, text=True, timeout=600)
+        said.append(proc.stdout + proc.stderr)
+        assert proc.returncode == code, proc.stderr[-3000:]
+        return " ".join(proc.stderr.split())
+
+    try:
+        front.open = {"/v1/models"}
+        words = run("--concurrency", "1", code=1)
+        assert f"server {front.url} wants a key (HTTP 401) and none was sent: OPENAI_API_KEY is not set" in words
+        assert [q["path"] for q in front.seen] == ["/v1/models", "/v1/completions"]  # stopped at the first refusal
+        assert "Traceback" not in words and not rows_of(out) and not S.read_manifest(out)["complete"]
+        front.open, front.seen[:] = set(), []
+        words = run(code=1)
+        assert len(front.seen) == 1 and "wants a key (HTTP 401)" in words      # vLLM's --api-key guards /v1/models too
+        words = run("--api-key-env", "REGEN_KEY", code=1, REGEN_KEY=wrong)
+        assert f"server {front.url} refused the key read from REGEN_KEY (HTTP 401; the key is not shown)" in words
+        assert len(front.seen) == 2 and front.seen[-1]["auth"] == f"Bearer {wrong}"
+        run("--api-key-env", "REGEN_KEY", code=0, REGEN_KEY=key)
+        assert rows_of(out) == [x for x in embedded["rows"] if int(x["id"].split("#")[1]) < 4]
+        assert {q["auth"] for q in front.seen[2:]} == {f"Bearer {key}"} and len(front.seen) > 3
+        assert S.read_manifest(out)["engine"]["key_envs"] == {front.url: "REGEN_KEY"}
+        run(code=0, OPENAI_API_KEY=key)                                           # the default variable
+    finally:
+        front.close()
+
+    userinfo = f"https://user:{password}@127.0.0.1:1"
+    res = longspec("regenerate", str(project), "longcot", "--server", userinfo, work=work)
+    said.append(res.stdout + res.stderr)
+    words = " ".join(res.stderr.replace("│", " ").split())
+    assert res.returncode == 2 and "credentials in a URL" in words and "https://***@127.0.0.1:1" in words
+    res = longspec("regenerate", str(project), "longcot", "--server", front.url, "--api-key-env", "NO_SUCH_KEY_VAR",
+                   work=work)
+    said.append(res.stdout + res.stderr)
+    assert res.returncode == 2 and "--api-key-env NO_SUCH_KEY_VAR: the variable is not set" in res.stderr
+    for secret in (key, wrong, password):
+        assert not any(secret in text for text in said)
+        written = [p for p in (*work.rglob("*"), *project.rglob("*")) if p.is_file() and secret.encode() in p.read_bytes()]
+        assert not written, written
