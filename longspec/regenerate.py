@@ -1,25 +1,33 @@
 """Regenerate a stage's answers with its own target, so the draft learns what the target writes.
 
     python -m longspec.regenerate --config-dir DIR/conf +exp=STAGE [key=value ...] --out DIR
-        [--server URL ...] [--concurrency N] [--api completions|chat] [--batch N]
-        [--prefix-tokens N] [--max-new-tokens N] [--shard-rows N] [--limit N]
-        [--keep-truncated] [--force] [--json]
+        [--server URL ...] [--api-key-env NAME ...] [--concurrency N] [--api completions|chat] [--batch N]
+        [--prefix-tokens N] [--max-new-tokens N] [--shard-rows N] [--limit N] [--server-wait S]
+        [--keep-truncated] [--force] [--json] [--rerun COMMAND]
 
 Reads the stage's train_file (longspec.data.records), asks the target (longspec.decode.engines:
 greedy on the local target, or OpenAI-compatible servers with --server) by the prompt rules of
 longspec.data.regen, and writes OUT as ordered parquet shards plus manifest.json
-(longspec.data.regenstore). A rerun resumes after the last complete shard; another source,
-target or setting is refused (exit 1, the reason) unless --force.
+(longspec.data.regenstore). A rerun first asks the rows that failed again (put back in their
+shards), then resumes after the last complete shard; another source, target or setting is refused
+(exit 1, the reason) unless --force. A server that gives no answer leaves the rotation
+(longspec.decode.servers); when none has answered for --server-wait seconds (60) the run stops.
+A server's key comes from the environment only (OPENAI_API_KEY, or the variable --api-key-env
+names: longspec_cli.core.serverkeys) and is shown nowhere; a 401 or 403 stops the run at once.
 
-Exit codes: 0 done, 1 refused or a config error, 3 unreadable input, 5 stopped by SIGTERM,
-130 stopped by SIGINT (both after writing the rows done so far). Progress on stderr; --json prints
-the summary as one JSON line on stdout.
+Exit codes: 0 done, 1 refused (a config error, a key a server refused), 3 unreadable input,
+5 stopped by SIGTERM, 6 stopped because no server answered for --server-wait seconds, 7 done but
+rows failed (a rerun asks them again), 130 stopped by SIGINT (5, 6 and 130 after writing the rows
+done so far).
+--rerun is the command the messages and the manifest name to go on (`longspec regenerate` passes
+its own). Progress on stderr; --json prints the summary as one JSON line on stdout.
 """
 from __future__ import annotations
 
 import itertools
 import json
 import os
+import shlex
 import signal
 import sys
 import time
@@ -28,14 +36,18 @@ from pathlib import Path
 from longspec.data import regen as R
 from longspec.data import regenstore as S
 from longspec_cli.core.regenstate import clear_progress, write_progress
+from longspec_cli.errors import ROWS_FAILED, SERVERS_GONE
 
 EXIT_REFUSED, EXIT_INPUT, EXIT_TERM, EXIT_INT = 1, 3, 5, 130
-INT_FLAGS = ("concurrency", "batch", "prefix-tokens", "max-new-tokens", "shard-rows", "limit", "window")
-DEFAULTS = {"out": None, "server": [], "api": "completions", "concurrency": 4, "batch": 8, "prefix-tokens": 128,
-            "max-new-tokens": None, "shard-rows": 1000, "limit": None, "window": None,
-            "keep-truncated": False, "force": False, "json": False}
+EXIT_SERVERS, EXIT_FAILED = SERVERS_GONE, ROWS_FAILED           # 6, 7 (longspec_cli.errors)
+INT_FLAGS = ("concurrency", "batch", "prefix-tokens", "max-new-tokens", "shard-rows", "limit", "window",
+             "server-wait")
+DEFAULTS = {"out": None, "server": [], "api-key-env": [], "api": "completions", "concurrency": 4, "batch": 8,
+            "prefix-tokens": 128, "max-new-tokens": None, "shard-rows": 1000, "limit": None, "window": None, "server-wait": 60,
+            "keep-truncated": False, "force": False, "json": False, "rerun": None}
 FLAGS: dict = {}
 STOP: list[int] = []          # the exit code a stop signal asked for
+REFUSED: list[str] = []       # a server refused the key (401/403): the run stops, this is why
 
 
 def take_flags(argv: list[str]) -> tuple[list[str], dict]:
@@ -52,8 +64,8 @@ def take_flags(argv: list[str]) -> tuple[list[str], dict]:
                 if i + 1 >= len(argv):
                     raise SystemExit(f"error: {a} needs a value")
                 value, i = argv[i + 1], i + 1
-            if name == "server":
-                flags["server"].append(value)
+            if name in ("server", "api-key-env"):
+                flags[name].append(value)
             elif name in INT_FLAGS:
                 if not value.isdigit() or int(value) < 1:
                     raise SystemExit(f"error: --{name} {value}: a positive whole number")
@@ -81,24 +93,35 @@ def run(cfg) -> dict:
                 "chat_template_kwargs": R.CHAT_TEMPLATE_KWARGS, "keep_truncated": FLAGS["keep-truncated"]}
     S.refuse_own_output(train_file, out)
     expect = S.expectations(train_file, target, collator, settings, R.PROMPT_RULE)
-    start, totals = S.open_folder(out, expect, FLAGS["force"])
+    start, totals, retry = S.open_folder(out, expect, FLAGS["force"])
     out.mkdir(parents=True, exist_ok=True)
     total = R.count_records(train_file, FLAGS["limit"])
     tok = load_tokenizer(target)
     engine = _engine(target, tok)
-    S.write_manifest(out, expect, engine.describe(), totals, total, start, start >= total)
+    rerun = FLAGS["rerun"]
+    S.write_manifest(out, expect, engine.describe(), totals, total, start,
+                     start >= total and not retry, rerun)
     writer = S.OrderedWriter(out, collator, start, FLAGS["shard-rows"], FLAGS["keep-truncated"], totals)
     prompter = R.Prompter(tok, max_seq, FLAGS["prefix-tokens"], FLAGS["max-new-tokens"])
-    rows = itertools.takewhile(lambda r: r.index < total, R.source_rows(train_file, collator, start))
+    # the failed rows of the shards first (asked again), then the records after the last shard
+    rows = (r for r in itertools.takewhile(lambda r: r.index < total,
+                                           R.source_rows(train_file, collator, min(retry, default=start)))
+            if r.index >= start or r.index in retry)
     progress = Progress(conf["stage"], start, total, writer, out)
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    t0 = time.monotonic()
+    t0, redone = time.monotonic(), []
     try:
         if engine.kind == "server":
             done = _served(engine, prompter, rows, progress)
         else:
             done = _embedded(engine, prompter, rows, progress)
         for row in done:
+            if row.index < start:
+                redone.append(row)
+                continue
+            if redone:
+                writer.problems += S.patch_shards(out, collator, FLAGS["keep-truncated"], redone, writer.totals)
+                redone = []
             writer.put(row)
             progress.tick()
     except OSError as e:
@@ -107,20 +130,29 @@ def run(cfg) -> dict:
         for s, h in previous.items():
             signal.signal(s, h)
         writer.flush()                                 # what is done is kept, in order
+        if redone:
+            writer.problems += S.patch_shards(out, collator, FLAGS["keep-truncated"], redone, writer.totals)
+        gone = engine.kind == "server" and engine.gone
         if engine.kind == "server":
             engine.close()
-        complete = not STOP and writer.next >= total
-        S.write_manifest(out, expect, engine.describe(), writer.totals, total, writer.next, complete)
+        complete = not (STOP or REFUSED or gone) and writer.next >= total and not writer.totals.get("failed")
+        S.write_manifest(out, expect, engine.describe(), writer.totals, total, writer.next, complete, rerun)
         progress.end()
     if not STOP:
-        clear_progress(out)                            # ended by itself: nothing for status to show
+        clear_progress(out)                            # ended by itself: the manifest says how
+    if REFUSED:
+        from longspec.decode.engines import KeyRefused
+
+        raise KeyRefused(f"{REFUSED[0]}; the rows done are kept ({writer.next}/{total} records), "
+                         "the same command goes on once the key is right")
     seconds = time.monotonic() - t0
     made = writer.totals["completion_tokens"] - progress.tokens0
     return {"stage": conf["stage"], "out": str(out), "engine": engine.describe(), "records": total,
             "done": writer.next, "resumed_at": start, "complete": complete, **writer.totals,
             "seconds": round(seconds, 2), "rows_per_s": round((writer.next - start) / max(seconds, 1e-9), 3),
-            "tokens_per_s": round(made / max(seconds, 1e-9), 1), "problems": writer.problems,
-            **({"stopped_by": "SIGINT" if STOP[0] == EXIT_INT else "SIGTERM"} if STOP else {})}
+            "tokens_per_s": round(made / max(seconds, 1e-9), 1), "problems": writer.problems, "rerun": rerun,
+            **({"stopped_by": "SIGINT" if STOP[0] == EXIT_INT else "SIGTERM"} if STOP else {}),
+            **({"stopped_by": "servers", "message": engine.rotation.gone_message()} if gone and not STOP else {})}
 
 
 def _engine(target: Path, tok):
@@ -128,7 +160,8 @@ def _engine(target: Path, tok):
 
     if FLAGS["server"]:
         return ServerEngine(FLAGS["server"], FLAGS["concurrency"], FLAGS["api"],
-                            template_kwargs=R.CHAT_TEMPLATE_KWARGS)
+                            template_kwargs=R.CHAT_TEMPLATE_KWARGS, wait=FLAGS["server-wait"],
+                            key_envs=FLAGS["api-key-env"])
     return EmbeddedEngine(target, tok, FLAGS["batch"])
 
 
@@ -157,21 +190,29 @@ def _embedded(engine, prompter, rows, progress):
 
 
 def _served(engine, prompter, rows, progress):
-    from longspec.decode.engines import EngineError, ordered
+    from longspec.decode.engines import EngineError, KeyRefused, ordered
+    from longspec.decode.servers import ServersGone
 
     def step(row):
         while row.status == "pending":
+            if REFUSED or engine.gone:
+                return                                 # the run stops: a row not started is left for a rerun
             q = prompter.next_request(row)
             if q is None:
                 return
             msgs = row.messages[:row.todo[0]] if row.kind == "chat" else None
             try:
                 prompter.take(row, q, engine.ask(q, msgs))
+            except ServersGone:
+                return                                 # left pending: not written, a rerun makes it
+            except KeyRefused as e:
+                REFUSED.append(str(e))                 # every request would be refused: stop, not a row failure
+                return
             except EngineError as e:
                 row.status, row.reason = "failed", str(e)
 
     window = FLAGS["window"] or len(engine.urls) * engine.concurrency * 4
-    yield from ordered(engine, rows, step, window, lambda: bool(STOP))
+    yield from ordered(engine, rows, step, window, lambda: bool(STOP or REFUSED) or engine.gone)
 
 
 class Progress:
@@ -225,6 +266,12 @@ def guarded(cfg) -> int:
         if FLAGS["json"]:
             print(json.dumps(r), flush=True)
         print(summary_text(r), file=sys.stderr, flush=True)
+        if r.get("stopped_by") == "servers":
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_SERVERS)                     # requests in flight are abandoned, not waited for
+        if r["failed"] and not STOP:
+            code = EXIT_FAILED
     if STOP:
         # A server's requests still in flight are abandoned: their threads are not waited for.
         sys.stdout.flush()
@@ -234,11 +281,18 @@ def guarded(cfg) -> int:
 
 
 def summary_text(r: dict) -> str:
-    head = "stopped" if r.get("stopped_by") else ("done" if r["complete"] else "partial")
-    return (f"regenerate {r['stage']}: {head}, {r['done']}/{r['records']} records -> {r['out']}\n"
+    head = "stopped" if r.get("stopped_by") else ("done" if r["complete"] else "not finished")
+    text = (f"regenerate {r['stage']}: {head}, {r['done']}/{r['records']} records -> {r['out']}\n"
             f"  kept {r['kept']}, truncated {r['truncated']}, failed {r['failed']}, skipped {r['skipped']}; "
             f"tokens: prompt {r['prompt_tokens']:,}, new {r['completion_tokens']:,}; "
             f"{r['rows_per_s']} rows/s, {r['tokens_per_s']} tokens/s")
+    if r.get("stopped_by") == "servers":
+        text += f"\n  {r['message']}:\n  {r['rerun']}"
+    elif r["failed"] and not r.get("stopped_by"):
+        fails = [p for p in r["problems"] if ": failed: " in p][:3]
+        text += (f"\n  {r['failed']} row{'s' if r['failed'] > 1 else ''} failed"
+                 + "".join(f"\n    {p}" for p in fails) + f"\n  the same command asks them again:\n  {r['rerun']}")
+    return text
 
 
 def main() -> None:
@@ -248,6 +302,9 @@ def main() -> None:
     cudaarch.fix_environ()                       # an arch list DeepSpeed can parse, if it builds an op
     argv, flags = take_flags(sys.argv[1:])
     FLAGS.update(flags)
+    if FLAGS["rerun"] is None:
+        FLAGS["rerun"] = shlex.join(["python", "-m", "longspec.regenerate",
+                                     *(a for a in sys.argv[1:] if a != "--force")])
     sys.argv = [sys.argv[0]] + implied_config_dir(argv)
     make_hydra_entry(guarded)()
 

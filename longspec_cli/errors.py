@@ -3,7 +3,9 @@ longspec_cli module is imported here; `longspec_cli.boundary.run_cli` turns them
 
 Exit codes (README, docs/DESIGN.md):
   0 ok, 1 problems found / refused, 2 usage, 3 unreadable input, 4 a training run failed (a full
-  disk included), 5 training was preempted (a stop signal saved a checkpoint; a rerun resumes), 130 Ctrl-C.
+  disk included), 5 training was preempted (a stop signal saved a checkpoint; a rerun resumes),
+  6 a regeneration stopped because no server answered (the rows done are kept; a rerun goes on),
+  7 a regeneration ended with failed rows (a rerun asks them again), 130 Ctrl-C.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ USAGE = 2
 BAD_INPUT = 3
 RUN_FAILED = 4
 PREEMPTED = 5
+SERVERS_GONE = 6
+ROWS_FAILED = 7
 INTERRUPTED = 130
 
 class LongspecError(Exception):

@@ -2,7 +2,9 @@
 
     part-SSSSSSSS-EEEEEEEE.parquet   the kept rows of source records [S, E), in source order;
                                      written whole (temp file + rename), so a file that exists is
-                                     complete; its counts ride in its own footer (COUNTS_KEY)
+                                     complete; its counts ride in its own footer (COUNTS_KEY), and
+                                     so do its failed rows (FAILED_KEY: index, id, reason) and the
+                                     record index of each row it holds (INDEX_KEY)
     manifest.json                    what made the rows (target and tokenizer digests, the
                                      source's fingerprint, prompt rule, settings, engine) and the
                                      counts; a rerun with another source, target or setting is
@@ -11,6 +13,11 @@
 Resume: the shards cover records [0, E) without a gap; a rerun starts at the last E. Rows come
 to `OrderedWriter.put` in any order; it holds them (a bounded reorder buffer: the caller keeps at
 most `window` rows in flight) and cuts a shard at every `shard_rows` records, in order.
+
+Failed rows (a request refused for itself, an answer that cannot be read): a rerun asks them again
+first (`open_folder` lists them) and `patch_shards` rewrites each shard they belong to with the
+rows now made in their source places, so the folder ends as one uninterrupted run writes it. A
+failed row counts no tokens (its retry counts them once).
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from longspec_cli.core.atomic import atomic_write_bytes, atomic_write_json
 from longspec_cli.core.regenstate import FORMAT, MANIFEST, target_digest  # one owner: status compares the digest
 
 COUNTS_KEY = b"longspec.regen.counts"
+FAILED_KEY = b"longspec.regen.failed"
+INDEX_KEY = b"longspec.regen.index"
 COUNTS = ("kept", "truncated", "failed", "skipped", "prompt_tokens", "completion_tokens")
 _SHARD = re.compile(r"part-(\d{8})-(\d{8})\.parquet$")
 
@@ -102,11 +111,16 @@ def shards(out: Path) -> list[tuple[int, int, Path]]:
     return sorted(found)
 
 
-def shard_counts(path: Path) -> dict:
+def shard_meta(path: Path) -> tuple[dict, list[dict]]:
+    """(the shard's counts, its failed rows [{index, id, reason}])."""
     import pyarrow.parquet as pq
 
     meta = pq.read_schema(str(path)).metadata or {}
-    return json.loads(meta.get(COUNTS_KEY, b"{}"))
+    return json.loads(meta.get(COUNTS_KEY, b"{}")), json.loads(meta.get(FAILED_KEY, b"[]"))
+
+
+def shard_counts(path: Path) -> dict:
+    return shard_meta(path)[0]
 
 
 def refuse_own_output(train_file, out: Path) -> None:
@@ -118,39 +132,46 @@ def refuse_own_output(train_file, out: Path) -> None:
                            + (f"; its rows were made from {old}: give that as train_file=..." if old else ""))
 
 
-def open_folder(out: Path, expect: dict, force: bool) -> tuple[int, dict]:
-    """(the record index a run starts at, the counts of the rows already written); refuses a folder
-    made otherwise unless force (which removes its shards)."""
+def open_folder(out: Path, expect: dict, force: bool) -> tuple[int, dict, dict[int, str]]:
+    """(the record index a run starts at, the counts of the rows already written, the failed rows
+    to ask again {index: reason}); a folder made otherwise is refused, or with force started over
+    (its shards removed). A folder made the same way is continued, force or not."""
     old = read_manifest(out)
     parts = shards(out)
-    if force:
+    why = mismatch(old, expect) if old is not None else None
+    if why and not force:
+        raise RegenRefused(f"{out}: {why}; its rows were made otherwise (--force starts over)")
+    if old is None and parts and not force:
+        raise RegenRefused(f"{out}: shards without a {MANIFEST}; not a regeneration folder this run can continue")
+    if why or old is None:
         for _, _, p in parts:
             p.unlink()
         parts = []
-    elif old is not None and (why := mismatch(old, expect)):
-        raise RegenRefused(f"{out}: {why}; its rows were made otherwise (--force starts over)")
-    elif old is None and parts:
-        raise RegenRefused(f"{out}: shards without a {MANIFEST}; not a regeneration folder this run can continue")
-    end, totals = 0, dict.fromkeys(COUNTS, 0)
+    end, totals, retry = 0, dict.fromkeys(COUNTS, 0), {}
     for start, stop, p in parts:
         if start != end:
             raise RegenRefused(f"{out}: records {end}..{start - 1} have no shard (a gap); rerun with --force")
-        for k, v in shard_counts(p).items():
+        counts, failed = shard_meta(p)
+        for k, v in counts.items():
             totals[k] = totals.get(k, 0) + v
+        retry.update({int(f["index"]): f.get("reason", "") for f in failed})
         end = stop
     for tmp in out.glob(".part-*.tmp") if out.is_dir() else ():   # a write a kill cut short
         tmp.unlink(missing_ok=True)
-    return end, totals
+    return end, totals, retry
 
 
 def write_manifest(out: Path, expect: dict, engine: dict, totals: dict, records: int | None,
-                   done: int, complete: bool) -> None:
-    """The manifest; `engines` lists every engine that wrote rows here (a resume may use another)."""
+                   done: int, complete: bool, rerun: str | None = None) -> None:
+    """The manifest; `engines` lists every engine that wrote rows here (a resume may use another);
+    `complete`: every record done and none failed; `rerun`: the command that goes on
+    (longspec_cli.core.regenstate.folder_state reads these for status, --use and the demo)."""
     old = read_manifest(out) or {}
     engines = [e for e in old.get("engines", []) if e != engine] if done else []
     atomic_write_json(out / MANIFEST, {**expect, "engine": engine, "engines": engines + [engine],
                                        "counts": totals, "records": records, "done": done,
-                                       "complete": complete, "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+                                       "complete": complete, "rerun": rerun,
+                                       "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
 
 
 def _arrow_type(pa, column: str):
@@ -159,13 +180,17 @@ def _arrow_type(pa, column: str):
     return pa.int64() if column.endswith("_tokens") else pa.string()
 
 
-def write_shard(out: Path, collator: str, start: int, end: int, records: list[dict], counts: dict) -> Path:
-    """One shard of records [start, end), written whole (temp file, fsync, rename)."""
+def write_shard(out: Path, collator: str, start: int, end: int, records: list[dict], counts: dict,
+                failed: list[dict], index: list[int]) -> Path:
+    """One shard of records [start, end), written whole (temp file, fsync, rename); `index` holds
+    each record's source index, `failed` the rows to ask again."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     names = COLUMNS[collator] + META_COLUMNS
-    schema = pa.schema([(c, _arrow_type(pa, c)) for c in names], metadata={COUNTS_KEY: json.dumps(counts)})
+    schema = pa.schema([(c, _arrow_type(pa, c)) for c in names],
+                       metadata={COUNTS_KEY: json.dumps(counts), FAILED_KEY: json.dumps(failed),
+                                 INDEX_KEY: json.dumps(index)})
     table = pa.Table.from_pylist([{c: r.get(c) for c in names} for r in records], schema=schema)
     buf = io.BytesIO()
     pq.write_table(table, buf)
@@ -184,6 +209,8 @@ class OrderedWriter:
         self.next = self.shard_start = start          # the next record index to write; the open shard's first
         self.held: dict[int, Row] = {}                # finished rows waiting for an earlier one
         self.records: list[dict] = []
+        self.index: list[int] = []                    # the open shard's records' source indices
+        self.failed: list[dict] = []                  # the open shard's failed rows
         self.counts = dict.fromkeys(COUNTS, 0)
         self.totals = totals
         self.problems: list[str] = []
@@ -197,24 +224,67 @@ class OrderedWriter:
                 self.flush()
 
     def _take(self, row: Row) -> None:
-        status = row.status
-        self.counts[status] = self.counts.get(status, 0) + 1
-        self.counts["prompt_tokens"] += row.prompt_tokens
-        self.counts["completion_tokens"] += sum(a.tokens for a in row.answers)
-        if status == "kept" or (status == "truncated" and self.keep_truncated):
-            self.records.append(output_record(row, self.collator))
-        elif status in ("failed", "skipped") and len(self.problems) < 20:
-            self.problems.append(f"{row.id}: {status}: {row.reason}")
+        take(row, self.counts, self.records, self.index, self.failed, self.collator, self.keep_truncated)
+        if row.status in ("failed", "skipped") and len(self.problems) < 20:
+            self.problems.append(f"{row.id}: {row.status}: {row.reason}")
 
     def flush(self) -> None:
         """Write the open shard (the records taken so far), if it covers any record."""
         if self.next == self.shard_start:
             return
-        write_shard(self.out, self.collator, self.shard_start, self.next, self.records, self.counts)
+        write_shard(self.out, self.collator, self.shard_start, self.next, self.records, self.counts,
+                    self.failed, self.index)
         for k, v in self.counts.items():
             self.totals[k] = self.totals.get(k, 0) + v
         self.shard_start, self.records, self.counts = self.next, [], dict.fromkeys(COUNTS, 0)
+        self.index, self.failed = [], []
 
     def pending(self) -> dict[str, Any]:
         """The counts including the open shard's (for the progress line)."""
         return {k: self.totals.get(k, 0) + self.counts.get(k, 0) for k in COUNTS}
+
+
+def take(row: Row, counts: dict, records: list[dict], index: list[int], failed: list[dict], collator: str,
+         keep_truncated: bool) -> None:
+    """Count a finished row into a shard's counts; its record (kept, or truncated when kept) or its
+    failure (index, id, reason: a rerun asks it again) into the shard's lists."""
+    counts[row.status] = counts.get(row.status, 0) + 1
+    if row.status == "failed":
+        failed.append({"index": row.index, "id": row.id, "reason": row.reason})
+        return
+    counts["prompt_tokens"] += row.prompt_tokens
+    counts["completion_tokens"] += sum(a.tokens for a in row.answers)
+    if row.status == "kept" or (row.status == "truncated" and keep_truncated):
+        records.append(output_record(row, collator))
+        index.append(row.index)
+
+
+def patch_shards(out: Path, collator: str, keep_truncated: bool, rows: list[Row], totals: dict) -> list[str]:
+    """Put rows asked again (a shard's failed rows, any status now but pending) into their shards,
+    each rewritten whole with its records in source order; `totals` follows. The rows' problems."""
+    import pyarrow.parquet as pq
+
+    redone = {r.index: r for r in rows if r.status != "pending"}
+    problems = []
+    for start, end, path in shards(out):
+        counts, failed = shard_meta(path)
+        mine = [redone[f["index"]] for f in failed if f["index"] in redone]
+        if not mine:
+            continue
+        meta = pq.read_schema(str(path)).metadata or {}
+        index = json.loads(meta.get(INDEX_KEY, b"[]"))
+        records = pq.read_table(str(path)).to_pylist()
+        if len(index) != len(records):
+            raise RegenRefused(f"{path}: its rows carry no source index (an older longspec wrote it); rerun with --force")
+        failed = [f for f in failed if f["index"] not in redone]
+        new_counts = dict(counts, failed=counts.get("failed", 0) - len(mine))
+        for row in mine:
+            take(row, new_counts, records, index, failed, collator, keep_truncated)
+            if row.status in ("failed", "skipped"):
+                problems.append(f"{row.id}: {row.status}: {row.reason}")
+        order = sorted(range(len(index)), key=index.__getitem__)
+        write_shard(out, collator, start, end, [records[k] for k in order], new_counts,
+                    sorted(failed, key=lambda f: f["index"]), [index[k] for k in order])
+        for k in set(counts) | set(new_counts):
+            totals[k] = totals.get(k, 0) + new_counts.get(k, 0) - counts.get(k, 0)
+    return problems

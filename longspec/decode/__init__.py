@@ -4,6 +4,7 @@
     tree.py        token-tree speculative decoding (greedy and speculative sampling), plain sampling
     tree_attn.py   tree attention masks; reference and hybrid prefix + tree attention
     engines.py     regeneration's answers: greedy `generate` on the target, or OpenAI-compatible servers
+    servers.py     which of those servers are in the rotation; the stop when none answers
 
 Imports longspec.model only. (A docstring only: nothing loads through the package.)
 """

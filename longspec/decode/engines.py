@@ -11,22 +11,26 @@ finish reason "stop" | "length"), so the rows do not depend on which one made th
                    here (what the trainer reads), temperature 0, the end-of-turn text as `stop`;
                    or /v1/chat/completions (api="chat") with the turns and `chat_template_kwargs`
                    as a top-level field (vLLM and transformers serve read it there). Several
-                   servers: each gets `concurrency` requests at a time; a timeout, 408, 429 or 5xx
-                   is retried with exponential backoff, other errors fail the row.
+                   servers: each gets `concurrency` requests at a time; a 408, 429 or 5xx is
+                   retried with exponential backoff, other HTTP errors fail the row; a server that
+                   gives no answer (refused, reset, timed out) leaves the rotation until it answers
+                   again (longspec.decode.servers), and the request goes elsewhere.
 
 Requests may carry different limits; an engine answers a list of them in order.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
-import threading
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from longspec.decode.servers import Rotation, ServerUnreachable
 
 RETRY_CODES = (408, 429, 500, 502, 503, 504)
 
@@ -40,6 +44,10 @@ class Answer:
 
 class EngineError(RuntimeError):
     """A request that failed for good (the row is counted failed) or a server that cannot be used."""
+
+
+class KeyRefused(EngineError):
+    """A server answered 401 or 403: the key is missing or wrong. The run stops at once."""
 
 
 class EmbeddedEngine:
@@ -102,70 +110,96 @@ class EmbeddedEngine:
 
 
 class ServerEngine:
-    """OpenAI-compatible servers: `concurrency` requests at a time on each."""
+    """OpenAI-compatible servers: `concurrency` requests at a time on each that answers
+    (longspec.decode.servers.Rotation: a server that gives no answer leaves the rotation until it
+    answers again; `gone` turns true when none has answered for `wait` seconds)."""
 
     kind = "server"
 
     def __init__(self, urls: list[str], concurrency: int = 4, api: str = "completions", timeout: float = 600.0,
-                 retries: int = 5, backoff: float = 1.0, template_kwargs: dict | None = None):
+                 retries: int = 5, backoff: float = 1.0, template_kwargs: dict | None = None, wait: float = 60.0,
+                 key_envs: list[str] | None = None):
+        """key_envs: the environment variables the servers' keys are read from (longspec_cli.core.
+        serverkeys: OPENAI_API_KEY by default, one for all or one per server); a key is sent as
+        `Authorization: Bearer KEY` and shown nowhere."""
+        from longspec_cli.core import serverkeys
+
         if api not in ("completions", "chat"):
             raise EngineError(f"server api {api!r}: choose completions or chat")
+        try:
+            plan = serverkeys.plan(list(urls), list(key_envs or []))
+        except serverkeys.KeyProblem as e:
+            raise EngineError(str(e)) from None
         self.urls = [u.rstrip("/").removesuffix("/v1") for u in urls]
+        self._keys = {u: serverkeys.key_of(k) for u, k in zip(self.urls, plan)}
+        self.key_envs = {u: k.env for u, k in zip(self.urls, plan)}
         self.concurrency, self.api, self.timeout = concurrency, api, timeout
         self.retries, self.backoff = retries, backoff
         self.template_kwargs = dict(template_kwargs or {})
         self.models = {u: self._model_id(u) for u in self.urls}
         self.pool = ThreadPoolExecutor(max_workers=len(self.urls) * concurrency, thread_name_prefix="regen")
-        self._slots = [threading.BoundedSemaphore(concurrency) for _ in self.urls]
-        self._turn = 0
-        self._lock = threading.Lock()
+        self.rotation = Rotation(self.urls, concurrency, wait, self._probe)
+
+    @property
+    def gone(self) -> bool:
+        return self.rotation.gone
 
     def describe(self) -> dict:
         return {"kind": self.kind, "servers": self.urls, "api": self.api, "concurrency": self.concurrency,
-                "models": self.models}
+                "models": self.models, "key_envs": {u: e for u, e in self.key_envs.items() if self._keys[u]}}
 
     def close(self) -> None:
+        self.rotation.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     def _model_id(self, url: str) -> str | None:
         """The served model's id (vLLM needs it in every request; a pinned transformers serve
         wants the exact string or none). A server that does not answer is refused here."""
-        try:
-            doc = self._call(url, "/v1/models", None, attempts=3)
-        except EngineError as e:
-            raise EngineError(f"server {url} does not answer /v1/models: {e}") from None
+        for k in range(3):
+            try:
+                doc = self._call(url, "/v1/models", None)
+                break
+            except ServerUnreachable as e:
+                if k == 2:
+                    raise EngineError(f"server {url} does not answer /v1/models: {e.reason}") from None
+                time.sleep(self.backoff * 2 ** k)
         data = doc.get("data") if isinstance(doc, dict) else None
         return data[0].get("id") if data and isinstance(data[0], dict) else None
 
+    def _refusal(self, url: str, code: int) -> str:
+        env = self.key_envs[url]
+        if not self._keys.get(url):
+            return (f"server {url} wants a key (HTTP {code}) and none was sent: {env} is not set; export it, or "
+                    "name the variable that holds the key with --api-key-env NAME")
+        return f"server {url} refused the key read from {env} (HTTP {code}; the key is not shown): check {env}"
+
+    def _probe(self, url: str) -> None:
+        self._call(url, "/v1/models", None, timeout=5.0)
+
     def ask(self, request, messages: list[dict] | None = None):
-        """One request's Answer, in this thread (a row's turns are asked one after another)."""
-        return self._one(request, messages)
+        """One request's Answer, in this thread (a row's turns are asked one after another).
+        ServersGone when no server has answered for the rotation's wait."""
+        while True:
+            i = self.rotation.acquire()
+            try:
+                return self._one(self.urls[i], request, messages)
+            except ServerUnreachable as e:
+                self.rotation.down(i, e.reason)          # asked again, on another server or later
+            finally:
+                self.rotation.release(i)
 
     def answer(self, requests: list, messages: list | None = None) -> list:
-        futs = [self.pool.submit(self._one, r, (messages or [None] * len(requests))[i])
+        futs = [self.pool.submit(self.ask, r, (messages or [None] * len(requests))[i])
                 for i, r in enumerate(requests)]
         return [f.result() for f in futs]
 
-    def _pick(self) -> int:
-        """The server with a free slot, round robin (blocks while every one is busy)."""
-        while True:
-            with self._lock:
-                for k in range(len(self.urls)):
-                    i = (self._turn + k) % len(self.urls)
-                    if self._slots[i].acquire(blocking=False):
-                        self._turn = i + 1
-                        return i
-            time.sleep(0.005)
-
-    def _one(self, req, messages):
-        i = self._pick()
+    def _one(self, url: str, req, messages):
+        body: dict[str, Any] = {"max_tokens": req.max_new, "temperature": 0}
+        if self.models[url]:
+            body["model"] = self.models[url]
+        if req.stop_texts:
+            body["stop"] = list(req.stop_texts)
         try:
-            url = self.urls[i]
-            body: dict[str, Any] = {"max_tokens": req.max_new, "temperature": 0}
-            if self.models[url]:
-                body["model"] = self.models[url]
-            if req.stop_texts:
-                body["stop"] = list(req.stop_texts)
             if self.api == "chat" and messages is not None:
                 body["messages"] = messages
                 body["chat_template_kwargs"] = self.template_kwargs
@@ -181,30 +215,33 @@ class ServerEngine:
             tokens = int((doc.get("usage") or {}).get("completion_tokens") or 0)
             return Answer(text, tokens, finish)
         except (KeyError, IndexError, TypeError, ValueError) as e:
-            raise EngineError(f"unexpected answer from {self.urls[i]}: {e!r}") from None
-        finally:
-            self._slots[i].release()
+            raise EngineError(f"unexpected answer from {url}: {e!r}") from None
 
-    def _call(self, url: str, path: str, body: dict | None, attempts: int | None = None) -> dict:
-        """GET (body None) or POST JSON; retried on timeouts, refused connections, 408, 429, 5xx."""
-        attempts = attempts or self.retries + 1
+    def _call(self, url: str, path: str, body: dict | None, timeout: float | None = None) -> dict:
+        """GET (body None) or POST JSON to one server; 408, 429 and 5xx retried with backoff (the
+        server answers: it is up), other HTTP errors raise EngineError, no answer ServerUnreachable."""
         last = ""
-        for k in range(attempts):
+        for k in range(self.retries + 1):
             data = None if body is None else json.dumps(body).encode()
-            req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+            headers = {"Content-Type": "application/json"}
+            if self._keys.get(url):
+                headers["Authorization"] = f"Bearer {self._keys[url]}"
+            req = urllib.request.Request(url + path, data=data, headers=headers)
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout) as r:
+                with urllib.request.urlopen(req, timeout=timeout or self.timeout) as r:
                     return json.loads(r.read())
             except urllib.error.HTTPError as e:
+                if e.code in (401, 403):
+                    raise KeyRefused(self._refusal(url, e.code)) from None
                 detail = e.read()[:300].decode("utf-8", "replace")   # a 500 body may be plain text
                 last = f"HTTP {e.code}: {detail}"
                 if e.code not in RETRY_CODES:
                     raise EngineError(f"{url}{path}: {last}") from None
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
-                last = str(getattr(e, "reason", e))
-            if k + 1 < attempts:
+            except (urllib.error.URLError, TimeoutError, OSError, http.client.HTTPException) as e:
+                raise ServerUnreachable(url, str(getattr(e, "reason", e)) or type(e).__name__) from None
+            if k < self.retries:
                 time.sleep(self.backoff * 2 ** k)
-        raise EngineError(f"{url}{path}: {last} (after {attempts} attempts)")
+        raise EngineError(f"{url}{path}: {last} (after {self.retries + 1} attempts)")
 
 
 def ordered(engine, rows, step: Callable, window: int, stop: Callable[[], bool]):
@@ -228,4 +265,6 @@ def ordered(engine, rows, step: Callable, window: int, stop: Callable[[], bool])
             return                                   # the rest is abandoned; rows already done were yielded
         row, fut = inflight.popleft()
         fut.result()
+        if row.status == "pending":
+            return                                   # abandoned (no server left): a rerun makes it
         yield row

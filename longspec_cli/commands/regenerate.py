@@ -24,6 +24,8 @@ EPILOG = """Examples:
 
   longspec regenerate demo longcot --server http://node1:8000 --server http://node2:8000
 
+  VLLM_KEY=... longspec regenerate demo longcot --server https://vllm.example:8000 --api-key-env VLLM_KEY
+
 Chat and chain-of-thought records keep their system and user turns; the target answers each
 assistant turn on its own regenerated history, rendered by its chat template as the stage's
 collator renders it. Documents keep their first --prefix-tokens tokens as untrained context and
@@ -36,20 +38,39 @@ shard; a changed source, target or setting is refused unless --force. Chat answe
 token limit (max_seq_length minus the prompt) are dropped unless --keep-truncated; all are counted.
 
 --server: OpenAI-compatible servers (`vllm serve TARGET` per node, or `transformers serve`),
---concurrency requests at a time on each; timeouts, 408, 429 and 5xx are retried with backoff.
+--concurrency requests at a time on each; 408, 429 and 5xx are retried with backoff. A server that
+gives no answer (refused, reset, timed out) leaves the rotation until it answers again; when none
+has answered for --server-wait seconds the run stops (exit 6), keeping the rows done. A row that
+fails for itself (a 4xx, an answer that cannot be read) is recorded with its reason; the run then
+exits 7, and the same command again asks exactly those rows again (no --force needed).
 --api completions (default) sends the prompt as rendered here, less the BOS the server's tokenizer
 adds back (the trainer's tokens); --api chat sends the turns with chat_template_kwargs.
 
-Exit codes: 0 ok, 1 refused (a folder made otherwise, a server that does not answer, config
-errors), 2 usage, 3 unreadable input, 5 stopped by SIGTERM, 130 Ctrl-C (both keep the rows done;
-a rerun goes on)."""
+A server that wants a key (vLLM --api-key, hosted endpoints) gets `Authorization: Bearer KEY`,
+the key read from OPENAI_API_KEY or the variable --api-key-env names (once for all servers, or once
+per --server in order); never from the command line, and shown in no output, log or manifest. A
+URL with credentials in it is refused. A 401 or 403 stops the run at once (exit 1).
+
+--use refuses a folder with failed or missing rows unless --force. --force starts a folder made
+otherwise (another source, target or setting) over; a folder made the same way is continued.
+
+Exit codes: 0 ok, 1 refused (a folder made otherwise, a server that does not answer at the start,
+a key a server refused, config errors), 2 usage (a URL with credentials, a key variable unset),
+3 unreadable input, 5 stopped by SIGTERM, 6 stopped: no server answered for --server-wait
+seconds, 7 rows failed, 130 Ctrl-C (5, 6, 7 and 130 keep the rows done; the same command again
+goes on)."""
 
 
 def regenerate_cmd(
     project_dir: Path = typer.Argument(..., help="Project folder (or its longspec.yaml).", show_default=False),
     stages: Optional[List[str]] = typer.Argument(None, help="Stages to regenerate (default: all).", show_default=False),
     server: Optional[List[str]] = typer.Option(None, "--server", help="An OpenAI-compatible server's URL (repeat for several)."),
+    api_key_env: Optional[List[str]] = typer.Option(
+        None, "--api-key-env", help="The environment variable holding the servers' key (default OPENAI_API_KEY; "
+        "once for all, or once per --server). Never the key itself."),
     concurrency: int = typer.Option(4, "--concurrency", min=1, help="Requests at a time per server."),
+    server_wait: int = typer.Option(60, "--server-wait", min=1,
+                                    help="Seconds without any server answering before the run stops (exit 6)."),
     api: str = typer.Option("completions", "--api",
                             help="completions (the prompt as rendered here) or chat (the turns; the server renders)."),
     batch: int = typer.Option(8, "--batch", min=1, help="Prompts per batch on the local target."),
@@ -58,7 +79,8 @@ def regenerate_cmd(
                                                  help="New tokens per answer (default: up to max_seq_length)."),
     limit: Optional[int] = typer.Option(None, "--limit", min=1, help="Only the first N records."),
     use: bool = typer.Option(False, "--use", help="Point the stage's train_file at the result."),
-    force: bool = typer.Option(False, "--force", help="Start over when the folder was made otherwise."),
+    force: bool = typer.Option(False, "--force", help="Start over when the folder was made otherwise; "
+                               "with --use, use a folder with failed or missing rows."),
     keep_truncated: bool = typer.Option(False, "--keep-truncated", help="Keep answers cut at the token limit."),
     as_json: bool = typer.Option(False, "--json", help='Print {"stages": [...]} as JSON on stdout.'),
 ) -> None:
@@ -66,34 +88,55 @@ def regenerate_cmd(
 
     def body() -> None:
         from longspec_cli.core.manifest import load_manifest
-        from longspec_cli.core.regenstate import stage_folder
-        from longspec_cli.launch.regen import run_stage, use_folder
+        from longspec_cli.core.regenstate import folder_state, stage_folder
+        from longspec_cli.launch.regen import rerun_command, run_stage, unfinished_error, use_folder
 
         if api not in ("completions", "chat"):
             raise UsageError(f"--api {api!r}: choose completions or chat")
+        from longspec_cli.core import serverkeys
+
+        try:
+            serverkeys.plan(list(server or ()), list(api_key_env or ()))
+        except serverkeys.KeyProblem as e:
+            raise UsageError(str(e), hint=f"export {serverkeys.DEFAULT_ENV}=... (or the variable --api-key-env "
+                             "names) in the shell or the sbatch script that runs this") from None
         manifest = load_manifest(project_dir)
         chosen = [manifest.stage(s) for s in stages] if stages else list(manifest.stages)
-        flags = [*(a for u in server or () for a in ("--server", u)), "--concurrency", str(concurrency), "--api", api,
-                 "--batch", str(batch), "--prefix-tokens", str(prefix_tokens)]
-        flags += ["--max-new-tokens", str(max_new_tokens)] if max_new_tokens else []
-        flags += ["--limit", str(limit)] if limit else []
+        # the flags as given (the module's defaults are the same), so the rerun command reads as typed
+        flags = [a for u in server or () for a in ("--server", u)]
+        flags += [a for n in api_key_env or () for a in ("--api-key-env", n)]       # names, never keys
+        for name, value, default in (("--concurrency", concurrency, 4), ("--server-wait", server_wait, 60),
+                                     ("--api", api, "completions"), ("--batch", batch, 8),
+                                     ("--prefix-tokens", prefix_tokens, 128), ("--max-new-tokens", max_new_tokens, None),
+                                     ("--limit", limit, None)):
+            flags += [name, str(value)] if value != default else []
         flags += ["--force"] if force else []
         flags += ["--keep-truncated"] if keep_truncated else []
-        results = []
+        results, errors = [], []
         for spec in chosen:
             out = stage_folder(manifest.root, spec.name)
             if not as_json:
                 typer.echo(f"== {spec.name}", err=True)
-            r = run_stage(spec, out, flags, show_progress=not as_json)
-            if use and r.get("complete") and r.get("kept", 0) + (r.get("truncated", 0) if keep_truncated else 0):
+            rerun = rerun_command(manifest.root, spec.name, flags + (["--use"] if use else []))
+            r = run_stage(spec, out, flags, show_progress=not as_json, rerun=rerun)
+            state = folder_state(out)
+            rows = r.get("kept", 0) + (r.get("truncated", 0) if keep_truncated else 0)
+            if use and rows and not r.get("stopped_by") and state is not None and (force or not state.unfinished):
                 r["used"] = use_folder(spec.config, out)
             results.append(r)
-            if r.get("stopped_by"):
+            if r.get("stopped_by") in ("SIGINT", "SIGTERM"):
                 break
+            if (err := unfinished_error(r, state)) is not None:
+                err.message += "; train_file left as it is" if use and not r.get("used") else ""
+                errors.append(err)
+                if r.get("stopped_by"):
+                    break
+                continue
             if use and not r.get("used"):
-                why = "is not complete" if not r.get("complete") else "kept no row"
+                why = f"is not complete ({state.refusal()})" if state is None or state.unfinished else "kept no row"
                 raise RefusedError(f"{spec.name}: the regeneration {why}; train_file left as it is ({out})",
-                                   hint="see the counts above; --keep-truncated keeps answers cut at the limit")
+                                   hint="see the counts above; --keep-truncated keeps answers cut at the limit; "
+                                        "--force uses a folder with failed or missing rows")
         if as_json:
             typer.echo(json.dumps({"project": str(manifest.root), "stages": results}, indent=2))
         else:
@@ -102,9 +145,11 @@ def regenerate_cmd(
                            f"{r['skipped']} skipped -> {r['out']}")
                 if r.get("used"):
                     typer.echo(f"  {r['used']}")
-        stopped = next((r["stopped_by"] for r in results if r.get("stopped_by")), None)
+        stopped = next((r["stopped_by"] for r in results if r.get("stopped_by") in ("SIGINT", "SIGTERM")), None)
         if stopped:
             raise typer.Exit(INTERRUPTED if stopped == "SIGINT" else PREEMPTED)
+        if errors:
+            raise errors[0]
 
     run_cli(body)
 

@@ -6,7 +6,9 @@ of its progress record, of the target digest its manifest holds, and of what bot
                     rows done / total. Removed when the run ends by itself; a run stopped by a
                     signal or killed leaves it, and then it reads as interrupted (a rerun resumes
                     after the last complete shard).
-    manifest.json   longspec.data.regenstore's; here only its format and target digest are read.
+    manifest.json   longspec.data.regenstore's; here its format, target digest and how far the
+                    rows got (records, done, counts.failed, complete, rerun: `folder_state`, what
+                    status, monitor, `regenerate --use` and `demo --regenerate` all go by).
 
 Pure: no torch (psutil through core.liveness, hashlib for the digest).
 """
@@ -130,6 +132,51 @@ def regen_state(folder: Path) -> RegenState | None:
     state = "unknown" if alive is None else ("running" if alive else "interrupted")
     return RegenState(state, _count(rec.get("done")), _count(rec.get("total")), rec.get("pid"),
                       rec.get("host"), str(folder))
+
+
+@dataclass
+class FolderState:
+    """How far a regeneration folder's rows got, from its manifest: records the run covers (its
+    --limit), records gone through (`done`, in shards), rows failed among them (a rerun asks them
+    again); `missing` = records - done."""
+    records: int
+    done: int
+    failed: int
+    complete: bool
+    rerun: str | None
+    folder: str
+
+    @property
+    def missing(self) -> int:
+        return max(self.records - self.done, 0)
+
+    @property
+    def unfinished(self) -> bool:
+        return bool(self.failed or self.missing) or not self.complete
+
+    def short(self) -> str:
+        return f"regenerated {self.done - self.failed}/{self.records}, {self.failed} failed"
+
+    def line(self) -> str:
+        return f"{self.short()}: rerun {self.rerun or '`longspec regenerate` with the same arguments'}"
+
+    def refusal(self) -> str:
+        """Why the folder is not all there yet, in words (for `--use` and the demo)."""
+        parts = [f"{self.failed} row{'s' if self.failed != 1 else ''} failed"] if self.failed else []
+        parts += [f"{self.missing} record{'s' if self.missing != 1 else ''} not done"] if self.missing else []
+        return ", ".join(parts) or "the run did not finish"
+
+
+def folder_state(folder: Path) -> FolderState | None:
+    """The folder's rows as its manifest records them; None when it is no regeneration folder."""
+    man = read_manifest(folder)
+    if man is None:
+        return None
+    counts = man.get("counts") if isinstance(man.get("counts"), dict) else {}
+    done = _count(man.get("done"))
+    records = _count(man.get("records")) or done
+    rerun = man.get("rerun") if isinstance(man.get("rerun"), str) else None
+    return FolderState(records, done, _count(counts.get("failed")), man.get("complete") is True, rerun, str(folder))
 
 
 def stage_folder(root: Path, stage: str) -> Path:

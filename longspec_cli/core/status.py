@@ -18,7 +18,8 @@ Order of the checks:
   preempted  the last lifecycle event is `preempted`: a stop signal saved a checkpoint (resumable)
   pending  anything else (resumable when complete checkpoints exist)
 A regeneration of the stage's data (`longspec regenerate`, core.regenstate) is a note: running
-("regenerating 120/500 rows", also in the next action) or interrupted (resumable).
+("regenerating 120/500 rows", also in the next action), interrupted (resumable) or unfinished
+("regenerated 17/48, 30 failed: rerun ...": it ended with failed or missing rows).
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ class StageStatus:
     where: str | None = None  # what runs it (or ran it last): "process 12 on h", "SLURM job 42 on node[1-2]"
     job_id: str | None = None  # the SLURM job of the run record, if any
     # the stage's data regeneration (core.regenstate), when one is recorded:
-    # {state: running | interrupted | unknown, done, total, pid, folder}
+    # {state: running | interrupted | unknown, done, total, pid, folder}, or
+    # {state: unfinished, done, total, failed, folder, rerun} (core.regenstate.folder_state)
     regeneration: dict | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -185,11 +187,16 @@ def _read_regen(st: StageStatus, spec: StageSpec, root: Path | None):
     from longspec_cli.core.hydracompose import compose_stage, stage_overrides
 
     base = Path(root) if root is not None else spec.config.parent
-    regen = regenstate.regen_state(regenstate.stage_folder(base, spec.name))
+    folder = regenstate.stage_folder(base, spec.name)
+    regen = regenstate.regen_state(folder)
     if regen is not None:
         st.reasons.append(regen.line())
         st.regeneration = {"state": regen.state, "done": regen.done, "total": regen.total, "pid": regen.pid,
                            "folder": regen.folder}
+    elif (rows := regenstate.folder_state(folder)) is not None and rows.unfinished:
+        st.reasons.append(rows.line())          # ended with failed or missing rows: a rerun finishes it
+        st.regeneration = {"state": "unfinished", "done": rows.done, "total": rows.records,
+                           "failed": rows.failed, "folder": rows.folder, "rerun": rows.rerun}
     c = compose_stage(spec.config, stage_overrides(spec.output_dir, []))
     train, target = (c.get(k) if c.ok else None for k in ("train_file", "model_name_or_path"))
     if isinstance(train, str) and isinstance(target, str):

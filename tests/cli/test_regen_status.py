@@ -108,3 +108,29 @@ def test_the_record_is_atomic_json_in_the_stage_folder(tmp_path):
     assert regenstate.regen_state(tmp_path).state == "interrupted"
     regenstate.clear_progress(tmp_path)
     assert regenstate.regen_state(tmp_path) is None
+
+
+def test_a_regeneration_that_ended_with_failed_or_missing_rows_shows_until_a_rerun_finishes_it(project):
+    """The manifest as `python -m longspec.regenerate` writes it (regenstore.write_manifest) after a
+    run with failed rows, then after a run its servers left: status and monitor show the counts and
+    the rerun command; once complete, nothing."""
+    from longspec.data import regenstore
+
+    folder = regenstate.stage_folder(project.root, "base")
+    folder.mkdir(parents=True)
+    rerun = f"longspec regenerate {project.root} base --server http://n1:8000"
+    counts = dict.fromkeys(regenstore.COUNTS, 0)
+    expect = {"format": regenstate.FORMAT}
+    regenstore.write_manifest(folder, expect, {"kind": "server"}, {**counts, "kept": 6, "failed": 2}, 8, 8, False, rerun)
+    base = _status(project)["base"]
+    assert f"regenerated 6/8, 2 failed: rerun {rerun}" in base["reasons"]
+    assert base["regeneration"]["state"] == "unfinished" and base["regeneration"]["failed"] == 2
+    res = runner.invoke(app, ["monitor", str(project.root), "--once"])
+    assert f"base: regenerated 6/8, 2 failed: rerun {rerun}" in res.output, res.output
+    regenstore.write_manifest(folder, expect, {"kind": "server"}, {**counts, "kept": 3}, 8, 3, False, rerun)
+    assert f"regenerated 3/8, 0 failed: rerun {rerun}" in _status(project)["base"]["reasons"]
+    state = regenstate.folder_state(folder)
+    assert state.unfinished and state.refusal() == "5 records not done"
+    regenstore.write_manifest(folder, expect, {"kind": "server"}, {**counts, "kept": 8}, 8, 8, True, rerun)
+    base = _status(project)["base"]
+    assert not any("regenerated" in r for r in base["reasons"]) and base["regeneration"] is None

@@ -225,35 +225,65 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tiny):
-    """`transformers serve` pinned to the tiny target on 127.0.0.1 (the `serving` extra: fastapi, uvicorn)."""
-    if not all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn", "openai")):
-        pytest.skip("transformers[serving] is not installed")
-    exe = shutil.which("transformers", path=str(Path(sys.executable).parent)) or shutil.which("transformers")
-    port = _free_port()
-    proc = subprocess.Popen([exe, "serve", str(tiny["target"]), "--host", "127.0.0.1", "--port", str(port),
-                             "--device", "cpu"], env=dict(os.environ, HF_HUB_OFFLINE="1"),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    try:
+class Serve:
+    """`transformers serve` pinned to a target on 127.0.0.1:port, started and killed by the tests."""
+
+    def __init__(self, target: Path, port: int | None = None):
+        self.target, self.port, self.proc = target, port or _free_port(), None
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "Serve":
+        exe = shutil.which("transformers", path=str(Path(sys.executable).parent)) or shutil.which("transformers")
+        self.proc = subprocess.Popen([exe, "serve", str(self.target), "--host", "127.0.0.1", "--port", str(self.port),
+                                      "--device", "cpu"], env=dict(os.environ, HF_HUB_OFFLINE="1"),
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + 120
         while True:
-            assert proc.poll() is None, "transformers serve exited while starting"
+            assert self.proc.poll() is None, "transformers serve exited while starting"
             assert time.monotonic() < deadline, "transformers serve did not answer /health in 120 s"
             try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
-                        break
+                        return self
             except OSError:
                 time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """The signal to the server's whole process group (its own session), then reaped."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+
+
+def _needs_serving() -> None:
+    if not all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn", "openai")):
+        pytest.skip("transformers[serving] is not installed")
+
+
+@pytest.fixture(scope="module")
+def serve(tiny):
+    """A starter of `transformers serve` on the tiny target (the `serving` extra: fastapi,
+    uvicorn); every server it started is killed at the end of the module."""
+    _needs_serving()
+    started: list[Serve] = []
+
+    def start(port: int | None = None) -> Serve:
+        started.append(Serve(tiny["target"], port).start())
+        return started[-1]
+
+    yield start
+    for s in started:
+        s.kill(signal.SIGTERM)
+
+
+@pytest.fixture(scope="module")
+def server(serve) -> str:
+    """The module's shared `transformers serve`."""
+    return serve().url
 
 
 def test_server_engine_gives_the_embedded_rows(server, embedded, work):
@@ -362,6 +392,7 @@ def test_rows_finishing_out_of_order_come_out_in_source_order_within_the_window(
             busy[0] += 1
             peak[0] = max(peak[0], busy[0])
         time.sleep(delays[row.index])
+        row.status = "kept"
         with lock:
             busy[0] -= 1
 
@@ -377,3 +408,195 @@ def test_rows_finishing_out_of_order_come_out_in_source_order_within_the_window(
         stop[0] = stop[0] or len(out) >= 5
     assert out == list(range(len(out))) and 5 <= len(out) <= 5 + 6          # the window at most
     eng.pool.shutdown()
+
+
+# ----------------------------------------------------------------------------- servers that go away
+
+def _wait_for_shard(out: Path, proc: subprocess.Popen, budget: float = 300) -> None:
+    deadline = time.monotonic() + budget
+    while not S.shards(out) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None and S.shards(out), "the run ended (or wrote nothing) before the kill"
+
+
+def test_a_killed_server_stops_the_run_within_the_bound_and_a_rerun_finishes_it(serve, embedded, work):
+    """`transformers serve` SIGKILLed mid-run: the run stops --server-wait seconds later (exit 6,
+    the rows done kept in order, the message and the rerun command); the same server started again
+    on its port, the same command gives the rows of an uninterrupted run."""
+    srv = serve()
+    out = work / "out-outage"
+    argv = cmd(work, "cot", out, "--shard-rows", "2", "--server", srv.url, "--concurrency", "2", "--server-wait", "5")
+    proc = subprocess.Popen(argv, cwd=work, env=env(work), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_shard(out, proc)
+    srv.kill()
+    killed = time.monotonic()
+    stdout, stderr = proc.communicate(timeout=120)
+    took = time.monotonic() - killed
+    print(f"\nkill -> stop: {took:.1f} s (--server-wait 5)")
+    assert proc.returncode == 6, stderr[-3000:]
+    assert 5 <= took < 5 + 20, took
+    r = json.loads(stdout.strip().splitlines()[-1])
+    assert r["stopped_by"] == "servers" and not r["complete"] and r["failed"] == 0 and 2 <= r["done"] < COT_RECORDS
+    words = " ".join(stderr.split())
+    assert f"server {srv.url} stopped answering" in words and words.count("stopped answering") == 1
+    assert f"no server answered for 5 s ({srv.url})" in words and "--server-wait 5" in words     # the rerun command
+    assert "Traceback" not in stderr
+    assert rows_of(out) == [x for x in embedded["rows"] if int(x["id"].split("#")[1]) < r["done"]]
+    state = regenstate.folder_state(out)
+    assert state.unfinished and (state.done, state.records, state.failed) == (r["done"], COT_RECORDS, 0)
+
+    srv.start()                                                    # back on the same port
+    r = regenerate(work, "cot", out, "--shard-rows", "2", "--server", srv.url, "--concurrency", "2")
+    print(f"rerun: {len(rows_of(out))} rows, the same as the embedded engine's: {rows_of(out) == embedded['rows']}")
+    assert r["complete"] and rows_of(out) == embedded["rows"]
+    assert {k: r[k] for k in S.COUNTS} == {k: embedded["result"][k] for k in S.COUNTS}
+    assert not regenstate.folder_state(out).unfinished
+
+
+def test_two_servers_one_killed_the_run_finishes_on_the_other(serve, server, embedded, work):
+    spare = serve()
+    out = work / "out-two"
+    argv = cmd(work, "cot", out, "--shard-rows", "2", "--server", server, "--server", spare.url,
+               "--concurrency", "1", "--server-wait", "5")
+    proc = subprocess.Popen(argv, cwd=work, env=env(work), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_shard(out, proc)
+    spare.kill()
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    r = json.loads(stdout.strip().splitlines()[-1])
+    words = " ".join(stderr.split())
+    assert words.count(f"server {spare.url} stopped answering") == 1 and "its requests go to the 1 other server" in words
+    assert r["complete"] and r["failed"] == 0 and rows_of(out) == embedded["rows"]
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory, tiny, work) -> Path:
+    """A tiny-preset project on the module's target whose longcot stage reads cot.jsonl (the
+    embedded reference's records and settings: long_cot, max_seq_length 512, fp32)."""
+    proj = tmp_path_factory.mktemp("proj") / "p"
+    res = longspec("init", str(proj), "--preset", "tiny", "--target", str(tiny["target"]), "--no-input",
+                   "--data", f"longcot={work / 'cot.jsonl'}", "--data", f"base={work / 'doc.jsonl'}",
+                   "--data", f"long={work / 'cot.jsonl'}", work=work)
+    assert res.returncode == 0, res.stderr
+    return proj
+
+
+def longspec(*args: str, work: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "longspec_cli", *args], capture_output=True, text=True,
+                          cwd=work, env=env(work), timeout=timeout)
+
+
+def test_failed_rows_exit_7_are_not_used_and_the_same_command_asks_exactly_them_again(project, server, embedded, work):
+    """A front refuses two rows' requests with a 400: the run records them by id, exits 7 with the
+    count and the command; --use leaves train_file; status and monitor say so. The same command
+    again asks exactly those two and the folder holds the uninterrupted run's rows, then is used."""
+    from longspec.data.collators import long_cot_messages
+    from tests.trainer.openai_front import Front
+
+    recs = [json.loads(line) for line in (work / "cot.jsonl").read_text().splitlines()]
+    asks = [long_cot_messages(r)[0]["content"] for r in recs]
+    bad = [i for i in range(COT_RECORDS) if sum(asks[i] in a for a in asks) == 1][1:3]
+    assert len(bad) == 2
+    front = Front(server, refuse=lambda body: any(asks[i] in json.loads(body).get("prompt", "") for i in bad))
+    stage_file, folder = project / "conf" / "exp" / "longcot.yaml", project / "data" / "regen" / "longcot"
+    before = stage_file.read_text()
+    args = ("regenerate", str(project), "longcot", "--server", front.url, "--concurrency", "2", "--use")
+    try:
+        res = longspec(*args, work=work)
+        words = " ".join(res.stderr.replace("│", " ").split())        # the panel's box left out
+        assert res.returncode == 7, res.stderr[-3000:]
+        assert "regenerated 6/8, 2 failed" in words and "train_file left as it is" in words and "Traceback" not in words
+        rerun = f"longspec regenerate {project} longcot --server {front.url} --concurrency 2 --use"
+        assert rerun in words and f"cot.jsonl#{bad[0]}: failed:" in words and "HTTP 400" in words
+        assert stage_file.read_text() == before and front.refused == 2
+        ids = [x["id"] for x in rows_of(folder)]
+        assert ids == [x["id"] for x in embedded["rows"] if int(x["id"].split("#")[1]) not in bad]
+
+        status = longspec("status", str(project), "--json", work=work)
+        longcot = next(s for s in json.loads(status.stdout)["stages"] if s["name"] == "longcot")
+        assert f"regenerated 6/8, 2 failed: rerun {rerun}" in longcot["reasons"]
+        assert longcot["regeneration"]["state"] == "unfinished" and longcot["regeneration"]["failed"] == 2
+        monitor = longspec("monitor", str(project), "--once", work=work)
+        assert f"longcot: regenerated 6/8, 2 failed: rerun {rerun}" in monitor.stdout
+
+        front.refuse, seen = None, len(front.seen)
+        res = longspec(*args, work=work)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert rows_of(folder) == embedded["rows"] and front.refused == 2
+        assert [q["path"] for q in front.seen[seen:]] == ["/v1/models", "/v1/completions", "/v1/completions"]
+        assert f"train_file: {folder}" in stage_file.read_text()
+        status = longspec("status", str(project), "--json", work=work)
+        longcot = next(s for s in json.loads(status.stdout)["stages"] if s["name"] == "longcot")
+        assert not any("regenerated" in r for r in longcot["reasons"]) and longcot["regeneration"] is None
+    finally:
+        front.close()
+
+
+# ----------------------------------------------------------------------------- servers that want a key
+
+def _self_signed(folder: Path) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 (openssl), for the front's https."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    return str(cert), str(key)
+
+
+def test_a_server_that_wants_a_key_gets_it_from_the_environment_and_it_shows_nowhere(server, embedded, work, project):
+    """A key-checking https front before the real server: with the right key (from the variable
+    --api-key-env names) the rows are the embedded engine's; with none or a wrong one the run stops
+    at its first request that is refused, exit 1, saying which server and variable (the front
+    first leaves /v1/models open, so the refusal comes mid-run, not at the start); a URL with credentials and an
+    unset variable are refused before any request (exit 2). No file the runs wrote, no output and
+    no manifest holds the key's text."""
+    from tests.trainer.openai_front import Front
+
+    key, wrong, password = "sk-right-" + os.urandom(12).hex(), "sk-wrong-" + os.urandom(12).hex(), os.urandom(8).hex()
+    cert, tls_key = _self_signed(work)
+    front = Front(server, key=key, tls=(cert, tls_key))
+    out, said = work / "out-key", []
+
+    def run(*extra: str, code: int, **variables: str) -> str:
+        e = {k: v for k, v in env(work).items() if k != "OPENAI_API_KEY"}
+        proc = subprocess.run(cmd(work, "cot", out, "--limit", "4", "--server", front.url, *extra), cwd=work,
+                              env={**e, "SSL_CERT_FILE": cert, **variables}, capture_output=True, text=True, timeout=600)
+        said.append(proc.stdout + proc.stderr)
+        assert proc.returncode == code, proc.stderr[-3000:]
+        return " ".join(proc.stderr.split())
+
+    try:
+        front.open = {"/v1/models"}
+        words = run("--concurrency", "1", code=1)
+        assert f"server {front.url} wants a key (HTTP 401) and none was sent: OPENAI_API_KEY is not set" in words
+        assert [q["path"] for q in front.seen] == ["/v1/models", "/v1/completions"]  # stopped at the first refusal
+        assert "Traceback" not in words and not rows_of(out) and not S.read_manifest(out)["complete"]
+        front.open, front.seen[:] = set(), []
+        words = run(code=1)
+        assert len(front.seen) == 1 and "wants a key (HTTP 401)" in words      # vLLM's --api-key guards /v1/models too
+        words = run("--api-key-env", "REGEN_KEY", code=1, REGEN_KEY=wrong)
+        assert f"server {front.url} refused the key read from REGEN_KEY (HTTP 401; the key is not shown)" in words
+        assert len(front.seen) == 2 and front.seen[-1]["auth"] == f"Bearer {wrong}"
+        run("--api-key-env", "REGEN_KEY", code=0, REGEN_KEY=key)
+        assert rows_of(out) == [x for x in embedded["rows"] if int(x["id"].split("#")[1]) < 4]
+        assert {q["auth"] for q in front.seen[2:]} == {f"Bearer {key}"} and len(front.seen) > 3
+        assert S.read_manifest(out)["engine"]["key_envs"] == {front.url: "REGEN_KEY"}
+        run(code=0, OPENAI_API_KEY=key)                                           # the default variable
+    finally:
+        front.close()
+
+    userinfo = f"https://user:{password}@127.0.0.1:1"
+    res = longspec("regenerate", str(project), "longcot", "--server", userinfo, work=work)
+    said.append(res.stdout + res.stderr)
+    words = " ".join(res.stderr.replace("│", " ").split())
+    assert res.returncode == 2 and "credentials in a URL" in words and "https://***@127.0.0.1:1" in words
+    res = longspec("regenerate", str(project), "longcot", "--server", front.url, "--api-key-env", "NO_SUCH_KEY_VAR",
+                   work=work)
+    said.append(res.stdout + res.stderr)
+    assert res.returncode == 2 and "--api-key-env NO_SUCH_KEY_VAR: the variable is not set" in res.stderr
+    for secret in (key, wrong, password):
+        assert not any(secret in text for text in said)
+        written = [p for p in (*work.rglob("*"), *project.rglob("*")) if p.is_file() and secret.encode() in p.read_bytes()]
+        assert not written, written
