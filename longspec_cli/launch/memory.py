@@ -6,16 +6,17 @@
                 runtime (CUDA context, NCCL and allocator slack)
     phase A     target forward, no grad: one layer's transient (2H + 3I per token) + kept K/V
     phase B     draft forward + backward: saved activations of the one draft block, its backward
-                transient, the attention extra (SDPA path: the float bias it keeps for backward;
-                flash: none), the target's last-layer K/V and final hidden state, the loss chunk
+                transient, the attention extra (SDPA reference: the float bias it keeps for backward;
+                fused attention, flash-attn or torch's own on CUDA: none), the target's last-layer
+                K/V and final hidden state, the loss chunk
     peak        persistent + max(phase A, phase B)
 
 Sequence parallel (`sequence_parallel_size` SP): each GPU holds T/SP tokens of every sequence (and,
 inside attention, all T tokens of nh/SP heads: the same size), so phases A and B divide by SP;
 the persistent part does not (ZeRO still partitions over the whole world), nor does the SDPA
-path's mask: one (g*T, keys) mask per call, shared by the KV heads, over the whole sequence
-(on CUDA; on the CPU, in training, longspec/model/kernels.py checkpoints
-the chunks instead of keeping their masks), so SP pays off with flash-attn.
+reference path's mask: one (g*T, keys) mask per call, shared by the KV heads, over the whole
+sequence (`kernels: reference` on CUDA; on the CPU, in training, longspec/model/attention.py
+checkpoints the chunks instead of keeping their masks), so SP pays off with fused attention.
 
 The layer shapes follow longspec/model/glide.py (self-attn + cross-attn with q/k/v biases, SwiGLU MLP,
 three RMSNorms; the cross-attn k/v projections are frozen) and longspec/model/kernels.py (SDPA chunked
@@ -147,7 +148,7 @@ class MemoryEstimate:
                 f"ZeRO-{s.zero_stage}{' + optimizer offload' if s.offload_optimizer else ''}, "
                 f"{s.seq_len} tokens x {s.micro_batch}, world {s.world_size}, "
                 f"{_sp_text(s)}"
-                f"{'flash-attn' if s.flash else 'SDPA'}")
+                f"{'fused attention' if s.flash else 'SDPA reference attention'}")
         out = [head]
         for title, items in (("persistent", self.persistent), ("target forward", self.phase_a),
                              ("draft fwd/bwd", self.phase_b)):
@@ -237,7 +238,7 @@ def fit_warning(est: MemoryEstimate, capacity_bytes: float | None, where: str, m
     if not s.offload_optimizer:
         tips.append("optimizer offload")
     if not s.flash:
-        tips.append("flash-attn (pip install 'longspec[gpu]')")
+        tips.append("kernels: auto (fused attention on CUDA, no mask kept)")
     sp = sequence_parallel_needed(est, capacity_bytes, margin)
     if sp:
         tips.append(f"sequence_parallel_size={sp} (each GPU holds {s.seq_len // sp} of the {s.seq_len} tokens)")

@@ -122,7 +122,9 @@ def stage_shape(manifest: Manifest, spec: StageSpec, overrides: list[str], res: 
     offload = isinstance(off, dict) and str(off.get("device", "none")).lower() in ("cpu", "nvme")
     get = lambda d, k, default: d.get(k) if isinstance(d, dict) and isinstance(d.get(k), int) else default  # noqa: E731
     precision = data.get("precision") if data.get("precision") in M.PRECISION_BYTES else "bf16"
-    flash = (not res.cpu) and A.find_spec("flash_attn") is not None
+    # On CUDA the attention ladder's fused rungs (flash-attn, else torch's own) keep no mask; only
+    # `kernels: reference` keeps the SDPA reference's there.
+    flash = (not res.cpu) and data.get("kernels") != "reference"
     return M.StageShape(
         size=size, precision=precision, zero_stage=get(zero, "stage", 0), offload_optimizer=offload,
         seq_len=get(data.get("data"), "max_seq_length", 1024), micro_batch=get(data, "per_gpu_train_batch_size", 1),
