@@ -99,6 +99,7 @@ def run(cfg) -> dict:
         else:
             done = _embedded(engine, prompter, rows, progress)
         for row in done:
+            R.check_trainable(row, tok, collator, max_seq, FLAGS["keep-truncated"])   # as prepare will read it
             writer.put(row)
             progress.tick()
     except OSError as e:
@@ -197,7 +198,7 @@ class Progress:
         eta = _clock((self.total - done) / rate) if rate > 0 else "?"
         print(f"[{self.stage}] regenerate {done}/{self.total} rows  {rate:.2f} rows/s  {toks:.0f} tokens/s  "
               f"ETA {eta}  (kept {c['kept']}, truncated {c['truncated']}, failed {c['failed']}, "
-              f"skipped {c['skipped']})", file=sys.stderr, flush=True)
+              f"skipped {c['skipped']}, untrainable {c['untrainable']})", file=sys.stderr, flush=True)
 
     def end(self) -> None:
         self.tick(force=True)
@@ -236,9 +237,16 @@ def guarded(cfg) -> int:
 def summary_text(r: dict) -> str:
     head = "stopped" if r.get("stopped_by") else ("done" if r["complete"] else "partial")
     return (f"regenerate {r['stage']}: {head}, {r['done']}/{r['records']} records -> {r['out']}\n"
-            f"  kept {r['kept']}, truncated {r['truncated']}, failed {r['failed']}, skipped {r['skipped']}; "
+            f"  kept {r['kept']}, truncated {r['truncated']}, failed {r['failed']}, skipped {r['skipped']}, "
+            f"untrainable {r['untrainable']}{_first(r)}; "
             f"tokens: prompt {r['prompt_tokens']:,}, new {r['completion_tokens']:,}; "
             f"{r['rows_per_s']} rows/s, {r['tokens_per_s']} tokens/s")
+
+
+def _first(r: dict) -> str:
+    ids = r.get(S.UNTRAINABLE_IDS) or []
+    return f" (nothing to train within max_seq_length: {', '.join(ids)}{', ...' if r['untrainable'] > len(ids) else ''})" \
+        if ids else ""
 
 
 def main() -> None:

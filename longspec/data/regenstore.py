@@ -5,7 +5,7 @@
                                      complete; its counts ride in its own footer (COUNTS_KEY)
     manifest.json                    what made the rows (target and tokenizer digests, the
                                      source's fingerprint, prompt rule, settings, engine) and the
-                                     counts; a rerun with another source, target or setting is
+                                     counts (with the first untrainable rows' ids); a rerun with another source, target or setting is
                                      refused with the reason (or starts over with force)
 
 Resume: the shards cover records [0, E) without a gap; a rerun starts at the last E. Rows come
@@ -29,7 +29,9 @@ from longspec_cli.core.atomic import atomic_write_bytes, atomic_write_json
 from longspec_cli.core.regenstate import FORMAT, MANIFEST, target_digest  # one owner: status compares the digest
 
 COUNTS_KEY = b"longspec.regen.counts"
-COUNTS = ("kept", "truncated", "failed", "skipped", "prompt_tokens", "completion_tokens")
+COUNTS = ("kept", "truncated", "failed", "skipped", "untrainable", "prompt_tokens", "completion_tokens")
+FIRST_IDS = 5                    # the first untrainable rows' ids kept with the counts (UNTRAINABLE_IDS)
+UNTRAINABLE_IDS = "untrainable_ids"
 _SHARD = re.compile(r"part-(\d{8})-(\d{8})\.parquet$")
 
 
@@ -131,16 +133,28 @@ def open_folder(out: Path, expect: dict, force: bool) -> tuple[int, dict]:
         raise RegenRefused(f"{out}: {why}; its rows were made otherwise (--force starts over)")
     elif old is None and parts:
         raise RegenRefused(f"{out}: shards without a {MANIFEST}; not a regeneration folder this run can continue")
-    end, totals = 0, dict.fromkeys(COUNTS, 0)
+    end, totals = 0, new_counts()
     for start, stop, p in parts:
         if start != end:
             raise RegenRefused(f"{out}: records {end}..{start - 1} have no shard (a gap); rerun with --force")
-        for k, v in shard_counts(p).items():
-            totals[k] = totals.get(k, 0) + v
+        add_counts(totals, shard_counts(p))
         end = stop
     for tmp in out.glob(".part-*.tmp") if out.is_dir() else ():   # a write a kill cut short
         tmp.unlink(missing_ok=True)
     return end, totals
+
+
+def new_counts() -> dict:
+    return {**dict.fromkeys(COUNTS, 0), UNTRAINABLE_IDS: []}
+
+
+def add_counts(totals: dict, counts: dict) -> None:
+    """Add a shard's counts to `totals`; the untrainable rows' ids: the first FIRST_IDS."""
+    for k, v in counts.items():
+        if k == UNTRAINABLE_IDS:
+            totals[k] = (list(totals.get(k) or []) + list(v))[:FIRST_IDS]
+        else:
+            totals[k] = totals.get(k, 0) + v
 
 
 def write_manifest(out: Path, expect: dict, engine: dict, totals: dict, records: int | None,
@@ -184,7 +198,7 @@ class OrderedWriter:
         self.next = self.shard_start = start          # the next record index to write; the open shard's first
         self.held: dict[int, Row] = {}                # finished rows waiting for an earlier one
         self.records: list[dict] = []
-        self.counts = dict.fromkeys(COUNTS, 0)
+        self.counts = new_counts()
         self.totals = totals
         self.problems: list[str] = []
 
@@ -203,7 +217,10 @@ class OrderedWriter:
         self.counts["completion_tokens"] += sum(a.tokens for a in row.answers)
         if status == "kept" or (status == "truncated" and self.keep_truncated):
             self.records.append(output_record(row, self.collator))
-        elif status in ("failed", "skipped") and len(self.problems) < 20:
+            return
+        if status == "untrainable" and len(self.counts[UNTRAINABLE_IDS]) < FIRST_IDS:
+            self.counts[UNTRAINABLE_IDS].append(row.id)
+        if status in ("failed", "skipped", "untrainable") and len(self.problems) < 20:
             self.problems.append(f"{row.id}: {status}: {row.reason}")
 
     def flush(self) -> None:
@@ -211,9 +228,8 @@ class OrderedWriter:
         if self.next == self.shard_start:
             return
         write_shard(self.out, self.collator, self.shard_start, self.next, self.records, self.counts)
-        for k, v in self.counts.items():
-            self.totals[k] = self.totals.get(k, 0) + v
-        self.shard_start, self.records, self.counts = self.next, [], dict.fromkeys(COUNTS, 0)
+        add_counts(self.totals, self.counts)
+        self.shard_start, self.records, self.counts = self.next, [], new_counts()
 
     def pending(self) -> dict[str, Any]:
         """The counts including the open shard's (for the progress line)."""

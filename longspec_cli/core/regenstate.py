@@ -6,7 +6,9 @@ of its progress record, of the target digest its manifest holds, and of what bot
                     rows done / total. Removed when the run ends by itself; a run stopped by a
                     signal or killed leaves it, and then it reads as interrupted (a rerun resumes
                     after the last complete shard).
-    manifest.json   longspec.data.regenstore's; here only its format and target digest are read.
+    manifest.json   longspec.data.regenstore's; here its format, target digest and counts are read
+                    (what `status` notes for a regeneration that is not running: rows kept, truncated,
+                    failed, skipped, untrainable with the first ids).
 
 Pure: no torch (psutil through core.liveness, hashlib for the digest).
 """
@@ -130,6 +132,33 @@ def regen_state(folder: Path) -> RegenState | None:
     state = "unknown" if alive is None else ("running" if alive else "interrupted")
     return RegenState(state, _count(rec.get("done")), _count(rec.get("total")), rec.get("pid"),
                       rec.get("host"), str(folder))
+
+
+REASONS = ("kept", "truncated", "failed", "skipped", "untrainable")
+
+
+def written(folder: Path) -> dict | None:
+    """What a regeneration folder holds, from its manifest (None without one): {state: complete |
+    partial, done, total, pid: None, folder, counts: {kept, ..., untrainable, untrainable_ids}}."""
+    man = read_manifest(folder)
+    if man is None:
+        return None
+    c = man.get("counts") if isinstance(man.get("counts"), dict) else {}
+    counts = {k: _count(c.get(k)) for k in REASONS}
+    ids = c.get("untrainable_ids")
+    counts["untrainable_ids"] = [str(i) for i in ids] if isinstance(ids, list) else []
+    return {"state": "complete" if man.get("complete") is True else "partial", "done": _count(man.get("done")),
+            "total": _count(man.get("records")), "pid": None, "folder": str(folder), "counts": counts}
+
+
+def written_line(w: dict) -> str:
+    """`regenerated 64/64 rows: kept 60, truncated 2, failed 0, skipped 0, untrainable 2 (base.jsonl#7, ...)`."""
+    c = w["counts"]
+    ids = c["untrainable_ids"]
+    more = ", ..." if c["untrainable"] > len(ids) else ""
+    first = f" (nothing to train within max_seq_length: {', '.join(ids)}{more})" if ids else ""
+    return (f"regenerated {w['done']:,}/{w['total']:,} rows{'' if w['state'] == 'complete' else ' so far'}: "
+            + ", ".join(f"{k} {c[k]:,}" for k in REASONS) + first + f" ({w['folder']})")
 
 
 def stage_folder(root: Path, stage: str) -> Path:

@@ -72,7 +72,8 @@ class StageStatus:
     where: str | None = None  # what runs it (or ran it last): "process 12 on h", "SLURM job 42 on node[1-2]"
     job_id: str | None = None  # the SLURM job of the run record, if any
     # the stage's data regeneration (core.regenstate), when one is recorded:
-    # {state: running | interrupted | unknown, done, total, pid, folder}
+    # {state: running | interrupted | unknown, done, total, pid, folder}; one that ended (no progress
+    # record, a manifest): {state: complete | partial, done, total, pid: None, folder, counts}
     regeneration: dict | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -190,6 +191,10 @@ def _read_regen(st: StageStatus, spec: StageSpec, root: Path | None):
         st.reasons.append(regen.line())
         st.regeneration = {"state": regen.state, "done": regen.done, "total": regen.total, "pid": regen.pid,
                            "folder": regen.folder}
+    done = regenstate.written(regenstate.stage_folder(base, spec.name)) if regen is None else None
+    if done is not None:                # a regeneration that ended: its counts, untrainable rows included
+        st.reasons.append(regenstate.written_line(done))
+        st.regeneration = done
     c = compose_stage(spec.config, stage_overrides(spec.output_dir, []))
     train, target = (c.get(k) if c.ok else None for k in ("train_file", "model_name_or_path"))
     if isinstance(train, str) and isinstance(target, str):

@@ -87,5 +87,6 @@ def regenerate_for_demo(manifest, overrides: list[str], say) -> None:
             raise RefusedError(f"{spec.name}: regeneration stopped by {r['stopped_by']}; run the demo again to go on")
         if not (r.get("complete") and r.get("kept")):
             raise RefusedError(f"{spec.name}: the regeneration kept no row or is not complete ({out})")
-        say(f"  kept {r['kept']}, truncated {r['truncated']}, failed {r['failed']}, skipped {r['skipped']}; "
+        say(f"  kept {r['kept']}, truncated {r['truncated']}, failed {r['failed']}, skipped {r['skipped']}, "
+            f"untrainable {r.get('untrainable', 0)}; "
             + use_folder(spec.config, out))
