@@ -92,9 +92,9 @@ def untrainable_refusal(man: dict, limit: float) -> str | None:
         return None
     key = man.get("key") or {}
     first = "; ".join((man.get("untrainable_problems") or [])[:KEEP_EXAMPLES])
-    return (f"{n:,} of {n + records:,} records ({share:.1%}) train no token within max_seq_length="
+    return (f"{n:,} of {n + records:,} records ({share:.2%}) train no token within max_seq_length="
             f"{key.get('max_seq_length')} (collator {key.get('collator')}), more than "
-            f"data.max_untrainable_share={limit:g} ({limit:.1%}) allows" + (f"; first: {first}" if first else "")
+            f"data.max_untrainable_share={limit:g} ({limit:.2%}) allows" + (f"; first: {first}" if first else "")
             + ". A wrong max_seq_length or collator? Fix it, or raise data.max_untrainable_share to train "
             "on the rest")
 
