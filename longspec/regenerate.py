@@ -27,7 +27,7 @@ from pathlib import Path
 
 from longspec.data import regen as R
 from longspec.data import regenstore as S
-from longspec_cli.core.regenstate import clear_progress, write_progress
+from longspec_cli.core.regenstate import clear_progress, untrainable_ids, write_progress
 
 EXIT_REFUSED, EXIT_INPUT, EXIT_TERM, EXIT_INT = 1, 3, 5, 130
 INT_FLAGS = ("concurrency", "batch", "prefix-tokens", "max-new-tokens", "shard-rows", "limit", "window")
@@ -238,15 +238,9 @@ def summary_text(r: dict) -> str:
     head = "stopped" if r.get("stopped_by") else ("done" if r["complete"] else "partial")
     return (f"regenerate {r['stage']}: {head}, {r['done']}/{r['records']} records -> {r['out']}\n"
             f"  kept {r['kept']}, truncated {r['truncated']}, failed {r['failed']}, skipped {r['skipped']}, "
-            f"untrainable {r['untrainable']}{_first(r)}; "
+            f"untrainable {r['untrainable']}{untrainable_ids(r)}; "
             f"tokens: prompt {r['prompt_tokens']:,}, new {r['completion_tokens']:,}; "
             f"{r['rows_per_s']} rows/s, {r['tokens_per_s']} tokens/s")
-
-
-def _first(r: dict) -> str:
-    ids = r.get(S.UNTRAINABLE_IDS) or []
-    return f" (nothing to train within max_seq_length: {', '.join(ids)}{', ...' if r['untrainable'] > len(ids) else ''})" \
-        if ids else ""
 
 
 def main() -> None:

@@ -154,11 +154,15 @@ def written(folder: Path) -> dict | None:
 def written_line(w: dict) -> str:
     """`regenerated 64/64 rows: kept 60, truncated 2, failed 0, skipped 0, untrainable 2 (base.jsonl#7, ...)`."""
     c = w["counts"]
-    ids = c["untrainable_ids"]
-    more = ", ..." if c["untrainable"] > len(ids) else ""
-    first = f" (nothing to train within max_seq_length: {', '.join(ids)}{more})" if ids else ""
     return (f"regenerated {w['done']:,}/{w['total']:,} rows{'' if w['state'] == 'complete' else ' so far'}: "
-            + ", ".join(f"{k} {c[k]:,}" for k in REASONS) + first + f" ({w['folder']})")
+            + ", ".join(f"{k} {c[k]:,}" for k in REASONS) + untrainable_ids(c) + f" ({w['folder']})")
+
+
+def untrainable_ids(counts: dict) -> str:
+    """` (nothing to train within max_seq_length: base.jsonl#5, ...)`, or "" without such rows."""
+    ids = counts.get("untrainable_ids") or []
+    more = ", ..." if (counts.get("untrainable") or 0) > len(ids) else ""
+    return f" (nothing to train within max_seq_length: {', '.join(ids)}{more})" if ids else ""
 
 
 def stage_folder(root: Path, stage: str) -> Path:

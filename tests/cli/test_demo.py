@@ -85,3 +85,37 @@ def test_demo_runs_three_chained_stages_and_prints_the_summary(tmp_path):
     quick = subprocess.run([sys.executable, "-m", "longspec_cli", "demo", str(demo), "--max-steps", "3", "--quiet",
                             "--no-eval"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert quick.returncode == 0 and "eval.json" not in quick.stdout and "evaluating" not in quick.stdout, quick.stdout
+
+
+@pytest.mark.slow
+def test_demo_regenerate_drops_documents_the_target_ends_at_once_and_trains_every_stage(tmp_path):
+    """Two base records the tiny target ends at once after the demo's 32-token context (base records
+    237 and 472 in the other answer style: an empty continuation, nothing to train) put among the
+    first ones: regeneration leaves them out and counts them, and all three stages train."""
+    from longspec.data.synthetic import restyle
+
+    demo = tmp_path / "demo"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    cli = [sys.executable, "-m", "longspec_cli"]
+    res = subprocess.run([*cli, "init", str(demo), "--preset", "tiny", "--no-input"], capture_output=True, text=True,
+                         cwd=ROOT, env=env, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    data = demo / "assets" / "data" / "base.jsonl"
+    lines = data.read_text().splitlines()
+    ends = [json.dumps(restyle(json.loads(lines[i]), "other")) for i in (237, 472)]
+    data.write_text("\n".join(lines[:5] + ends + lines[5:]) + "\n")
+    res = subprocess.run([*cli, "demo", str(demo), "--regenerate", "--max-steps", "1", "--no-eval", "--quiet"],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=1500)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "untrainable 2;" in res.stdout
+    folder = demo / "data" / "regen" / "base"
+    counts = json.loads((folder / "manifest.json").read_text())["counts"]
+    assert counts["untrainable"] == 2 and counts["untrainable_ids"] == ["base.jsonl#5", "base.jsonl#6"]
+    for stage in ("base", "long", "longcot"):
+        assert json.loads((demo / "runs" / stage / "stage_complete.json").read_text())["steps"] == 1
+    res = subprocess.run([*cli, "status", str(demo), "--json"], capture_output=True, text=True, cwd=ROOT, env=env,
+                         timeout=300)
+    base = json.loads(res.stdout)["stages"][0]
+    assert base["regeneration"]["counts"]["untrainable"] == 2 and base["prepared"]["untrainable"] == 0
+    assert any(r.startswith("regenerated 48/48 rows: kept ") and "untrainable 2 (nothing to train within "
+               "max_seq_length: base.jsonl#5, base.jsonl#6)" in r for r in base["reasons"]), base["reasons"]
