@@ -21,7 +21,9 @@ missing, stale (train_file changed since `longspec prepare`), corrupt, or refuse
 train nothing within max_seq_length than data.max_untrainable_share allows); `run` prepares what
 is not ready.
 A stage whose data `longspec regenerate` is writing shows `regenerating N/M rows` (interrupted once
-its process is gone: rerun it to resume); one trained on another target's regenerated answers is stale.
+its process is gone: rerun it to resume); one that ended shows its rows kept, truncated, failed,
+skipped and untrainable (not written: nothing to train within max_seq_length; the first ids named).
+A stage trained on another target's regenerated answers is stale.
 
 Exit codes: 0 ok, 2 no such project, 3 unreadable longspec.yaml."""
 
