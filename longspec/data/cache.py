@@ -210,7 +210,8 @@ def build(train_file: Path, target: str, fields: dict, folder: Path, tokenizer, 
             raise UntrainableRefused(f"{train_file}: {why}")
         if counts["records"] == 0:
             raise encoding.DataError(f"{train_file}: no usable records for collator {opts.collator} "
-                                 f"({len(problems)} bad)" + (f"; first: {problems[0]}" if problems else ""))
+                                 f"({len(problems)} bad, {counts['untrainable']} with nothing to train)"
+                                 + (f"; first: {(problems or untrained)[0]}" if problems or untrained else ""))
         bar.show(counts["records"], counts["tokens"], bar.total, final=True)
         if [P.stat_key(f) for f in src.files] != src_before:
             raise encoding.DataError(f"{train_file} changed while it was being prepared; run it again")
