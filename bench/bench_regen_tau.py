@@ -7,8 +7,12 @@ chain tau per stage and per length bucket side by side, in two worlds:
   other   the stage answers in another wording (`python -m longspec.tiny build --answer-style
           other`: as a second model's answers would read; the target and its corpus unchanged)
 
-    .venv/bin/python bench/bench_regen_tau.py [--dir DIR] [--max-steps 10] [--num-prompts 12]
+    .venv/bin/python bench/bench_regen_tau.py [--dir DIR] [--max-steps N] [--num-prompts 12]
         [--max-new-tokens 64] [--worlds target,other]
+
+By default each stage trains the demo's own steps (200 / 60 / 60); --max-steps N caps every stage
+at N (a quicker, rougher run). The table adds, per stage, the rows regeneration kept, truncated
+(dropped), skipped and found untrainable (not written: nothing to train within max_seq_length).
 
 Per world and variant: `longspec init DIR --preset tiny` (the cached target), for `other` the
 stage data rebuilt with --answer-style other, then `longspec demo DIR --max-steps N --no-eval`
@@ -74,10 +78,17 @@ def measure(d: Path, prompts: dict[str, Path], a) -> dict[str, dict]:
     return got
 
 
+def regen_counts(d: Path, stage: str) -> dict:
+    """The stage's regeneration counts (its manifest: longspec.data.regenstore)."""
+    man = json.loads((d / "data" / "regen" / stage / "manifest.json").read_text())
+    return {k: man["counts"].get(k, 0) for k in ("kept", "truncated", "skipped", "failed", "untrainable")} | \
+        {"records": man["records"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", type=Path)
-    ap.add_argument("--max-steps", type=int, default=10)
+    ap.add_argument("--max-steps", type=int, default=None, help="cap every stage at N steps (default: the demo's)")
     ap.add_argument("--num-prompts", type=int, default=12)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--worlds", default="target,other")
@@ -90,7 +101,8 @@ def main() -> None:
             shutil.rmtree(d, ignore_errors=True)
             t0 = time.perf_counter()
             project(d, world)
-            demo = ["-m", "longspec_cli", "demo", str(d), "--max-steps", str(a.max_steps), "--no-eval", "--quiet"]
+            steps = ["--max-steps", str(a.max_steps)] if a.max_steps else []
+            demo = ["-m", "longspec_cli", "demo", str(d), *steps, "--no-eval", "--quiet"]
             out = sh(*demo, *(["--regenerate"] if variant == "regenerated" else [])).stdout
             if variant == "regenerated":
                 print("\n".join(line for line in out.splitlines() if "regenerat" in line or "kept" in line))
@@ -98,13 +110,17 @@ def main() -> None:
                 (base / world).mkdir(exist_ok=True)
                 prompts = prompt_files(d, base / world)
             results[world, variant] = measure(d, prompts, a)
+            if variant == "regenerated":
+                for st in STAGES:
+                    results[world, variant][st]["rows"] = regen_counts(d, st)
             print(f"[{world}/{variant}] {time.perf_counter() - t0:.0f} s: "
                   + ", ".join(f"{s} {v['tau']:.2f}" for s, v in results[world, variant].items()), flush=True)
     table(results, a)
 
 
 def table(results: dict, a) -> None:
-    print(f"\nchain tau (gamma 4), {a.max_steps} steps per stage, same seeds; {a.num_prompts} prompts per stage "
+    steps = f"{a.max_steps} steps per stage" if a.max_steps else "the demo's steps (200 / 60 / 60)"
+    print(f"\nchain tau (gamma 4), {steps}, same seeds; {a.num_prompts} prompts per stage "
           f"from the last {HELD_PROMPT_RECORDS} records of its original data, {a.max_new_tokens} new tokens")
     print(f"{'world':<8}{'stage':<9}{'original':>9}{'regen':>8}{'gain':>8}   by length: original -> regenerated")
     for world in dict.fromkeys(w for w, _ in results):
@@ -113,7 +129,10 @@ def table(results: dict, a) -> None:
             gain = f"{(r['tau'] / o['tau'] - 1) * 100:+.1f}%"
             lengths = "  ".join(f"{n}: {o['by_length'].get(n, float('nan')):.2f} -> {r['by_length'].get(n, float('nan')):.2f}"
                                 for n in sorted(set(o["by_length"]) | set(r["by_length"])))
-            print(f"{world:<8}{st:<9}{o['tau']:>9.2f}{r['tau']:>8.2f}{gain:>8}   {lengths}")
+            c = r.get("rows", {})
+            rows = (f"   rows of {c.get('records')}: kept {c.get('kept')}, truncated {c.get('truncated')}, "
+                    f"skipped {c.get('skipped')}, failed {c.get('failed')}, untrainable {c.get('untrainable')}")
+            print(f"{world:<8}{st:<9}{o['tau']:>9.2f}{r['tau']:>8.2f}{gain:>8}   {lengths}{rows}")
 
 
 if __name__ == "__main__":

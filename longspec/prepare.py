@@ -5,6 +5,8 @@ reads that cache.
         [--world N] [--json]
 
 The stage is composed by the trainer's own Hydra entry (same primary config and search path).
+Exit codes: 0 ok, 1 refused (a config error; more records with nothing to train within
+max_seq_length than data.max_untrainable_share allows), 3 unreadable input (a malformed record).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from longspec.data.cache import CacheWriteError, default_workers, ensure
+from longspec.data.cache import CacheWriteError, UntrainableRefused, default_workers, ensure
 from longspec_cli.core import datafiles, prepared as P
 
 # ----------------------------------------------------------------------------- entry point
@@ -73,7 +75,8 @@ def guarded(cfg) -> int:
     from longspec.training.entry import EXIT_ERROR, EXIT_INPUT, tool_boundary
 
     def code_of(e: BaseException) -> int:
-        return EXIT_INPUT if isinstance(e, DataError) and not isinstance(e, CacheWriteError) else EXIT_ERROR
+        refused = isinstance(e, (CacheWriteError, UntrainableRefused))     # not unreadable input
+        return EXIT_INPUT if isinstance(e, DataError) and not refused else EXIT_ERROR
 
     code, r = tool_boundary(run, cfg, json_out=bool(FLAGS.get("json")), extra_errors=(CacheWriteError,),
                             code_of=code_of)

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from longspec.data import regen as R
 from longspec.data import regenstore as S
-from longspec_cli.core.regenstate import clear_progress, write_progress
+from longspec_cli.core.regenstate import clear_progress, untrainable_ids, write_progress
 from longspec_cli.errors import ROWS_FAILED, SERVERS_GONE
 
 EXIT_REFUSED, EXIT_INPUT, EXIT_TERM, EXIT_INT = 1, 3, 5, 130
@@ -116,6 +116,7 @@ def run(cfg) -> dict:
         else:
             done = _embedded(engine, prompter, rows, progress)
         for row in done:
+            R.check_trainable(row, tok, collator, max_seq, FLAGS["keep-truncated"])   # as prepare will read it
             if row.index < start:
                 redone.append(row)
                 continue
@@ -238,7 +239,7 @@ class Progress:
         eta = _clock((self.total - done) / rate) if rate > 0 else "?"
         print(f"[{self.stage}] regenerate {done}/{self.total} rows  {rate:.2f} rows/s  {toks:.0f} tokens/s  "
               f"ETA {eta}  (kept {c['kept']}, truncated {c['truncated']}, failed {c['failed']}, "
-              f"skipped {c['skipped']})", file=sys.stderr, flush=True)
+              f"skipped {c['skipped']}, untrainable {c['untrainable']})", file=sys.stderr, flush=True)
 
     def end(self) -> None:
         self.tick(force=True)
@@ -283,7 +284,8 @@ def guarded(cfg) -> int:
 def summary_text(r: dict) -> str:
     head = "stopped" if r.get("stopped_by") else ("done" if r["complete"] else "not finished")
     text = (f"regenerate {r['stage']}: {head}, {r['done']}/{r['records']} records -> {r['out']}\n"
-            f"  kept {r['kept']}, truncated {r['truncated']}, failed {r['failed']}, skipped {r['skipped']}; "
+            f"  kept {r['kept']}, truncated {r['truncated']}, failed {r['failed']}, skipped {r['skipped']}, "
+            f"untrainable {r['untrainable']}{untrainable_ids(r)}; "
             f"tokens: prompt {r['prompt_tokens']:,}, new {r['completion_tokens']:,}; "
             f"{r['rows_per_s']} rows/s, {r['tokens_per_s']} tokens/s")
     if r.get("stopped_by") == "servers":

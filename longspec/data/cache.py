@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from longspec.data.records import DataError
 from longspec_cli.core import datafiles, prepared as P
 from longspec_cli.core.atomic import fsync_path
 
@@ -35,6 +36,15 @@ LOCK_POLL_S = 2.0
 
 class CacheWriteError(Exception):
     """The cache could not be written (a full disk): a clear message, no half cache."""
+
+
+class UntrainableRefused(DataError):
+    """More records train nothing within max_seq_length than data.max_untrainable_share allows
+    (longspec_cli.core.prepared.untrainable_refusal): refused, exit 1, not unreadable input."""
+
+
+class _Untrained(str):
+    """An encoded record's result when it trains nothing within max_seq_length (its reason)."""
 
 
 # ----------------------------------------------------------------------------- dataset
@@ -50,6 +60,8 @@ class PreparedDataset:
         self.offsets = np.memmap(folder / f"{build}.idx", dtype=np.int64, mode="r")
         self.skipped = man.get("skipped", 0)
         self.problems = man.get("problems", [])
+        self.untrainable = man.get("untrainable", 0)
+        self.untrainable_problems = man.get("untrainable_problems", [])
         self.path = Path(man["key"]["source"])
         self.num_tokens, self.num_label_tokens = man["tokens"], man["trained_tokens"]
 
@@ -143,8 +155,9 @@ class Options:
 
 
 def build(train_file: Path, target: str, fields: dict, folder: Path, tokenizer, workers: int = 1,
-          progress: bool = True, label: str = "prepare") -> dict:
-    """Tokenize `train_file` into `folder` (under the caller's lock). Returns the manifest."""
+          progress: bool = True, label: str = "prepare", limit: float = P.UNTRAINABLE_LIMIT) -> dict:
+    """Tokenize `train_file` into `folder` (under the caller's lock). Returns the manifest. Records
+    with nothing to train are skipped and counted; more than `limit` of them refuse the build."""
     from longspec.data import encoding
 
     opts = Options(*(fields[k] for k in P.DATA_OPTIONS))
@@ -161,6 +174,7 @@ def build(train_file: Path, target: str, fields: dict, folder: Path, tokenizer, 
     dtype = np.uint16 if len(tokenizer) <= np.iinfo(np.uint16).max + 1 else np.uint32
     writer = _Writer(folder, build_id, dtype)
     problems: list[str] = []
+    untrained: list[str] = []                               # the first untrainable records' FILE:row N
     counts = collections.Counter()
     hist: collections.Counter = collections.Counter()
     fileobj: list = []
@@ -169,6 +183,11 @@ def build(train_file: Path, target: str, fields: dict, folder: Path, tokenizer, 
     try:
         records = encoding.read_records(src.spec, opts.on_bad_record, problems, opened=fileobj.append)
         for line, result in _encoded(records, tokenizer, target, opts, workers):
+            if isinstance(result, _Untrained):                 # well-formed, nothing to train: skipped
+                counts["untrainable"] += 1
+                if len(untrained) < encoding._KEEP_PROBLEMS:
+                    untrained.append(f"{encoding.where(train_file, line)}: {result} (collator {opts.collator})")
+                continue
             if isinstance(result, str):
                 msg = f"{encoding.where(train_file, line)}: {result} (collator {opts.collator})"
                 if opts.on_bad_record == "error":
@@ -184,9 +203,15 @@ def build(train_file: Path, target: str, fields: dict, folder: Path, tokenizer, 
             hist[max(len(ids) - 1, 0).bit_length()] += 1
             if counts["records"] % CHUNK_RECORDS == 0:
                 bar.show(counts["records"], counts["tokens"], _tell(fileobj))
+        tally = {"key": fields, "records": counts["records"], "untrainable": counts["untrainable"],
+                 "untrainable_problems": untrained}
+        why = P.untrainable_refusal(tally, limit)
+        if why is not None:
+            raise UntrainableRefused(f"{train_file}: {why}")
         if counts["records"] == 0:
             raise encoding.DataError(f"{train_file}: no usable records for collator {opts.collator} "
-                                 f"({len(problems)} bad)" + (f"; first: {problems[0]}" if problems else ""))
+                                 f"({len(problems)} bad, {counts['untrainable']} with nothing to train)"
+                                 + (f"; first: {(problems or untrained)[0]}" if problems or untrained else ""))
         bar.show(counts["records"], counts["tokens"], bar.total, final=True)
         if [P.stat_key(f) for f in src.files] != src_before:
             raise encoding.DataError(f"{train_file} changed while it was being prepared; run it again")
@@ -202,6 +227,7 @@ def build(train_file: Path, target: str, fields: dict, folder: Path, tokenizer, 
            "records": counts["records"], "tokens": counts["tokens"],
            "trained_tokens": counts["trained_tokens"], "truncated": counts["truncated"],
            "skipped": len(problems), "problems": problems[:encoding._KEEP_PROBLEMS],
+           "untrainable": counts["untrainable"], "untrainable_problems": untrained,
            "histogram": [[1 if b == 0 else (1 << (b - 1)) + 1, 1 << b, hist[b]] for b in sorted(hist)],
            "files": files, "seconds": round(time.monotonic() - t0, 3), "created_at": time.time(),
            "chat_check": _chat_check(train_file, tokenizer, opts)}
@@ -278,10 +304,11 @@ def _chunks(records):
 
 
 def _encode_chunk(chunk: list, tokenizer, opts: Options) -> list:
-    from longspec.data.encoding import RecordError, encode_records
+    from longspec.data.encoding import RecordError, Untrainable, encode_records
 
     results = encode_records([rec for _, rec in chunk], tokenizer, opts.collator, opts.max_seq_length)
-    return [(line, str(r) if isinstance(r, RecordError) else r) for (line, _), r in zip(chunk, results)]
+    return [(line, _Untrained(r) if isinstance(r, Untrainable) else str(r) if isinstance(r, RecordError) else r)
+            for (line, _), r in zip(chunk, results)]
 
 
 _WORKER: dict[str, Any] = {}
@@ -314,9 +341,10 @@ def ensure(train_file: str | Path, target: str, data_conf: dict, tokenizer=None,
     train_file = Path(train_file)
     fields = P.key_fields(train_file, target, data_conf)
     folder = P.cache_dir(fields)
+    limit = P.untrainable_limit(data_conf)
     try:
         man = P.check(folder, fields, encoding.COLLATOR_VERSION)
-        return PreparedDataset(folder, man), man, False
+        return _within(PreparedDataset(folder, man), man, limit, train_file), man, False
     except P.CacheProblem:
         pass
     lock = FileLock(str(lock_path(folder)))
@@ -332,13 +360,14 @@ def ensure(train_file: str | Path, target: str, data_conf: dict, tokenizer=None,
     try:
         try:
             man = P.check(folder, fields, encoding.COLLATOR_VERSION)      # built while we waited
-            return PreparedDataset(folder, man), man, False
+            return _within(PreparedDataset(folder, man), man, limit, train_file), man, False
         except P.CacheProblem as e:
             why = str(e)
         say(f"{label}: tokenizing {train_file} ({why}) into {folder}")
         tok = tokenizer if tokenizer is not None else encoding.load_tokenizer(target)
         try:
-            man = build(train_file, target, fields, folder, tok, workers=workers, progress=progress, label=label)
+            man = build(train_file, target, fields, folder, tok, workers=workers, progress=progress, label=label,
+                        limit=limit)
         except OSError as e:
             if getattr(e, "filename", None) and Path(e.filename) == train_file:
                 raise
@@ -348,6 +377,14 @@ def ensure(train_file: str | Path, target: str, data_conf: dict, tokenizer=None,
         return PreparedDataset(folder, man), man, True
     finally:
         lock.release()
+
+
+def _within(ds: PreparedDataset, man: dict, limit: float, train_file: Path) -> PreparedDataset:
+    """A cache built under a higher data.max_untrainable_share than the stage's now is refused."""
+    why = P.untrainable_refusal(man, limit)
+    if why is not None:
+        raise UntrainableRefused(f"{train_file}: {why}")
+    return ds
 
 
 WORKERS_FROM_BYTES = 32 << 20  # below this, starting worker processes costs more than it saves

@@ -32,6 +32,12 @@ class RecordError(ValueError):
     """One record that does not fit its collator (becomes DataError("file:line: ...") or a skip)."""
 
 
+class Untrainable(RecordError):
+    """A well-formed record with no token to train within max_seq_length (an empty answer, a prompt
+    that fills the length): skipped and counted by `prepare`, never written by `regenerate`
+    (longspec.data.encoding.assemble is the one rule that raises it)."""
+
+
 def _field(rec: dict, name: str, kinds=(str,), what: str = "a string"):
     if name not in rec:
         raise RecordError(f"missing field '{name}'")

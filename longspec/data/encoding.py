@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from longspec.data.collators import ENCODERS, RecordError  # noqa: F401  (RecordError: re-exported)
+from longspec.data.collators import ENCODERS, RecordError, Untrainable  # noqa: F401  (re-exported)
 from longspec.data.records import BAD_RECORD_MODES, DataError, read_records, where  # noqa: F401  (re-exported)
 
 IGNORE = -100
@@ -79,6 +79,16 @@ def encode_full(rec: dict, tokenizer, collator: str, max_seq_length: int,
     toks = [tokenizer(text, add_special_tokens=sp)["input_ids"] for (text, _), sp in zip(pieces, special)]
     return assemble(pieces, toks, add_eos, tokenizer.eos_token_id, label_pad_id(tokenizer),
                     max_seq_length, kinds)
+
+
+def untrainable(rec: dict, tokenizer, collator: str, max_seq_length: int) -> str | None:
+    """Why a well-formed record trains nothing within max_seq_length (assemble's rule, which
+    `prepare` applies too), None when it trains a token; RecordError for a malformed record."""
+    try:
+        encode_full(rec, tokenizer, collator, max_seq_length)
+    except Untrainable as e:
+        return str(e)
+    return None
 
 
 def encode_records(recs: list[dict], tokenizer, collator: str,
@@ -141,7 +151,7 @@ def assemble(pieces, toks: list[list[int]], add_eos: bool, eos: int | None, pad:
     if kinds is not None:
         kinds[:] = kind_of[:max_seq_length]
     if not any(trained):
-        raise RecordError(f"no trained tokens within max_seq_length={max_seq_length}")
+        raise Untrainable(f"no trained tokens within max_seq_length={max_seq_length}")
     return ids, trained, full
 
 
@@ -191,9 +201,13 @@ def build_dataset(path, tokenizer, collator: str, max_seq_length: int,
     path = Path(path)
     problems: list[str] = []
     samples = []
+    untrained = 0
     for line, rec in read_records(path, on_bad_record, problems):
         try:
             ids, trained = encode_record(rec, tokenizer, collator, max_seq_length)
+        except Untrainable:
+            untrained += 1                    # skipped and counted whatever on_bad_record says, as prepare does
+            continue
         except RecordError as e:
             msg = f"{where(path, line)}: {e} (collator {collator})"
             if on_bad_record == "error":
@@ -203,8 +217,11 @@ def build_dataset(path, tokenizer, collator: str, max_seq_length: int,
         samples.append((torch.tensor(ids, dtype=torch.int32), torch.tensor(trained)))
     if not samples:
         raise DataError(f"{path}: no usable records for collator {collator} "
-                        f"({len(problems)} bad)" + (f"; first: {problems[0]}" if problems else ""))
-    return TokenDataset(samples, len(problems), problems[:_KEEP_PROBLEMS], path)
+                        f"({len(problems)} bad, {untrained} with nothing to train within max_seq_length="
+                        f"{max_seq_length})" + (f"; first: {problems[0]}" if problems else ""))
+    ds = TokenDataset(samples, len(problems), problems[:_KEEP_PROBLEMS], path)
+    ds.untrainable = untrained
+    return ds
 
 
 # --------------------------------------------------------------------------- batching

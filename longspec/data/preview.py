@@ -43,7 +43,8 @@ def inspect_record(rec: dict, tokenizer, collator: str, max_seq_length: int) -> 
 
 def show_records(path: Path, tokenizer, collator: str, max_seq_length: int, count: int,
                  on_bad_record: str = "error") -> list[dict]:
-    """The first `count` usable records of a train file, inspected (bad ones: as the build does)."""
+    """The first `count` usable records of a train file, inspected (bad ones: as the build does;
+    untrainable ones are skipped, as the build skips them)."""
     from longspec.data import encoding
 
     out: list[dict] = []
@@ -53,6 +54,8 @@ def show_records(path: Path, tokenizer, collator: str, max_seq_length: int, coun
         try:
             out.append({"index": index, "line": line if isinstance(line, int) else line.short(),
                         **inspect_record(rec, tokenizer, collator, max_seq_length)})
+        except encoding.Untrainable:
+            continue
         except encoding.RecordError as e:
             if on_bad_record == "error":
                 raise encoding.DataError(f"{encoding.where(path, line)}: {e} (collator {collator})") from None

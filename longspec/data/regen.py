@@ -59,7 +59,7 @@ class Row:
     context: str = ""                                     # document: the prefix
     answers: list = field(default_factory=list)     # longspec.decode.engines.Answer per turn
     prompt_tokens: int = 0
-    status: str = "pending"         # pending | kept | truncated | failed | skipped
+    status: str = "pending"         # pending | kept | truncated | failed | skipped | untrainable
     reason: str = ""
 
 
@@ -196,6 +196,22 @@ class Prompter:
                 return
         if row.kind == "document" or not row.todo:
             row.status = "kept"
+
+
+def check_trainable(row: Row, tokenizer, collator: str, max_seq_length: int, keep_truncated: bool) -> None:
+    """A row that would be written but whose record trains no token within max_seq_length (the
+    target ended the document at once, an answer after a prompt that fills the length) becomes
+    "untrainable": not written, counted. The rule is longspec.data.encoding's, which prepare applies."""
+    if not (row.status == "kept" or (row.status == "truncated" and keep_truncated)):
+        return
+    from longspec.data.encoding import untrainable
+
+    why = untrainable(output_record(row, collator), tokenizer, collator, max_seq_length)
+    if why is not None:
+        last = row.answers[-1] if row.answers else None
+        row.status = "untrainable"
+        row.reason = why + (f" (the target's answer: {last.tokens} new token{'s' * (last.tokens != 1)}, "
+                            f"finish {last.finish})" if last else "")
 
 
 # ----------------------------------------------------------------------------- output

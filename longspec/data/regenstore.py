@@ -7,7 +7,7 @@
                                      record index of each row it holds (INDEX_KEY)
     manifest.json                    what made the rows (target and tokenizer digests, the
                                      source's fingerprint, prompt rule, settings, engine) and the
-                                     counts; a rerun with another source, target or setting is
+                                     counts (with the first untrainable rows' ids); a rerun with another source, target or setting is
                                      refused with the reason (or starts over with force)
 
 Resume: the shards cover records [0, E) without a gap; a rerun starts at the last E. Rows come
@@ -38,7 +38,9 @@ from longspec_cli.core.regenstate import FORMAT, MANIFEST, target_digest  # one 
 COUNTS_KEY = b"longspec.regen.counts"
 FAILED_KEY = b"longspec.regen.failed"
 INDEX_KEY = b"longspec.regen.index"
-COUNTS = ("kept", "truncated", "failed", "skipped", "prompt_tokens", "completion_tokens")
+COUNTS = ("kept", "truncated", "failed", "skipped", "untrainable", "prompt_tokens", "completion_tokens")
+FIRST_IDS = 5                    # the first untrainable rows' ids kept with the counts (UNTRAINABLE_IDS)
+UNTRAINABLE_IDS = "untrainable_ids"
 _SHARD = re.compile(r"part-(\d{8})-(\d{8})\.parquet$")
 
 
@@ -147,18 +149,30 @@ def open_folder(out: Path, expect: dict, force: bool) -> tuple[int, dict, dict[i
         for _, _, p in parts:
             p.unlink()
         parts = []
-    end, totals, retry = 0, dict.fromkeys(COUNTS, 0), {}
+    end, totals, retry = 0, new_counts(), {}
     for start, stop, p in parts:
         if start != end:
             raise RegenRefused(f"{out}: records {end}..{start - 1} have no shard (a gap); rerun with --force")
         counts, failed = shard_meta(p)
-        for k, v in counts.items():
-            totals[k] = totals.get(k, 0) + v
+        add_counts(totals, counts)
         retry.update({int(f["index"]): f.get("reason", "") for f in failed})
         end = stop
     for tmp in out.glob(".part-*.tmp") if out.is_dir() else ():   # a write a kill cut short
         tmp.unlink(missing_ok=True)
     return end, totals, retry
+
+
+def new_counts() -> dict:
+    return {**dict.fromkeys(COUNTS, 0), UNTRAINABLE_IDS: []}
+
+
+def add_counts(totals: dict, counts: dict) -> None:
+    """Add a shard's counts to `totals`; the untrainable rows' ids: the first FIRST_IDS."""
+    for k, v in counts.items():
+        if k == UNTRAINABLE_IDS:
+            totals[k] = (list(totals.get(k) or []) + list(v))[:FIRST_IDS]
+        else:
+            totals[k] = totals.get(k, 0) + v
 
 
 def write_manifest(out: Path, expect: dict, engine: dict, totals: dict, records: int | None,
@@ -211,7 +225,7 @@ class OrderedWriter:
         self.records: list[dict] = []
         self.index: list[int] = []                    # the open shard's records' source indices
         self.failed: list[dict] = []                  # the open shard's failed rows
-        self.counts = dict.fromkeys(COUNTS, 0)
+        self.counts = new_counts()
         self.totals = totals
         self.problems: list[str] = []
 
@@ -225,7 +239,7 @@ class OrderedWriter:
 
     def _take(self, row: Row) -> None:
         take(row, self.counts, self.records, self.index, self.failed, self.collator, self.keep_truncated)
-        if row.status in ("failed", "skipped") and len(self.problems) < 20:
+        if row.status in ("failed", "skipped", "untrainable") and len(self.problems) < 20:
             self.problems.append(f"{row.id}: {row.status}: {row.reason}")
 
     def flush(self) -> None:
@@ -234,9 +248,8 @@ class OrderedWriter:
             return
         write_shard(self.out, self.collator, self.shard_start, self.next, self.records, self.counts,
                     self.failed, self.index)
-        for k, v in self.counts.items():
-            self.totals[k] = self.totals.get(k, 0) + v
-        self.shard_start, self.records, self.counts = self.next, [], dict.fromkeys(COUNTS, 0)
+        add_counts(self.totals, self.counts)
+        self.shard_start, self.records, self.counts = self.next, [], new_counts()
         self.index, self.failed = [], []
 
     def pending(self) -> dict[str, Any]:
@@ -249,6 +262,8 @@ def take(row: Row, counts: dict, records: list[dict], index: list[int], failed: 
     """Count a finished row into a shard's counts; its record (kept, or truncated when kept) or its
     failure (index, id, reason: a rerun asks it again) into the shard's lists."""
     counts[row.status] = counts.get(row.status, 0) + 1
+    if row.status == "untrainable" and len(counts.setdefault(UNTRAINABLE_IDS, [])) < FIRST_IDS:
+        counts[UNTRAINABLE_IDS].append(row.id)
     if row.status == "failed":
         failed.append({"index": row.index, "id": row.id, "reason": row.reason})
         return
@@ -277,14 +292,17 @@ def patch_shards(out: Path, collator: str, keep_truncated: bool, rows: list[Row]
         if len(index) != len(records):
             raise RegenRefused(f"{path}: its rows carry no source index (an older longspec wrote it); rerun with --force")
         failed = [f for f in failed if f["index"] not in redone]
-        new_counts = dict(counts, failed=counts.get("failed", 0) - len(mine))
+        now = dict(counts, failed=counts.get("failed", 0) - len(mine))
+        now[UNTRAINABLE_IDS] = list(counts.get(UNTRAINABLE_IDS) or [])
         for row in mine:
-            take(row, new_counts, records, index, failed, collator, keep_truncated)
-            if row.status in ("failed", "skipped"):
+            take(row, now, records, index, failed, collator, keep_truncated)
+            if row.status in ("failed", "skipped", "untrainable"):
                 problems.append(f"{row.id}: {row.status}: {row.reason}")
         order = sorted(range(len(index)), key=index.__getitem__)
-        write_shard(out, collator, start, end, [records[k] for k in order], new_counts,
+        write_shard(out, collator, start, end, [records[k] for k in order], now,
                     sorted(failed, key=lambda f: f["index"]), [index[k] for k in order])
-        for k in set(counts) | set(new_counts):
-            totals[k] = totals.get(k, 0) + new_counts.get(k, 0) - counts.get(k, 0)
+        for k in COUNTS:
+            totals[k] = totals.get(k, 0) + now.get(k, 0) - counts.get(k, 0)
+        fresh = [i for i in now[UNTRAINABLE_IDS] if i not in (counts.get(UNTRAINABLE_IDS) or [])]
+        add_counts(totals, {UNTRAINABLE_IDS: fresh})
     return problems

@@ -180,12 +180,13 @@ def limit_new_tokens(prompts: list[Prompt], max_new: int | None, max_seq: int) -
 def trained_indices(n: int, conf: dict, steps: int | None) -> set[int] | None:
     """Record indices the stage's run drew, replaying the trainer's own sampler
     (longspec.data.encoding.ShardedBatchSampler: seeded shuffle per epoch, dealt over ranks); None when
-    that cannot be known (records skipped as bad, unknown step count or batch layout)."""
+    that cannot be known (records skipped as bad or untrainable, unknown step count or batch layout)."""
     from longspec.data.encoding import ShardedBatchSampler
 
     batch, accum = conf_get(conf, "per_gpu_train_batch_size"), conf_get(conf, "gradient_accumulation_steps", 1)
     glob, seed = conf_get(conf, "global_batch_size"), conf_get(conf, "seed", 42)
-    if conf_get(conf, "data.on_bad_record", "error") != "error" or not isinstance(steps, int) or steps < 0 \
+    if conf_get(conf, "data.on_bad_record", "error") != "error" or skipped_untrainable(conf) \
+            or not isinstance(steps, int) or steps < 0 \
             or not isinstance(batch, int) or not isinstance(accum, int) or batch < 1 or accum < 1:
         return None
     world = glob // (batch * accum) if isinstance(glob, int) and glob >= batch * accum else 1
@@ -213,6 +214,21 @@ def heldout_of(conf: dict) -> dict | None:
     return held if isinstance(held, dict) else None
 
 
+def skipped_untrainable(conf: dict) -> bool:
+    """Whether the stage's prepared data left out records with nothing to train (its cache's
+    manifest says so): its record indices are then not the train_file's."""
+    from longspec_cli.core import prepared as P
+
+    train, target = conf_get(conf, "train_file"), conf_get(conf, "model_name_or_path")
+    if not (isinstance(train, str) and isinstance(target, str)):
+        return False
+    try:
+        man = P.read_manifest(P.cache_dir(P.key_fields(train, target, conf_get(conf, "data"))))
+    except OSError:
+        return False
+    return bool((man or {}).get("untrainable"))
+
+
 def records_of(conf: dict) -> int | None:
     """The stage's record count as its run's heldout.json gives it (the held-out records are the
     last ones of the prepared data), None without one."""
@@ -232,7 +248,8 @@ def stage_prompts(path: Path, tokenizer, conf: dict, steps: int | None, *, lengt
 
     want = max(256, 16 * sum(per_length.values()))
     try:
-        count, last = tail_records(path, want, conf_get(conf, "data.on_bad_record", "error"), records_of(conf))
+        known = None if skipped_untrainable(conf) else records_of(conf)     # the prepared count is not the file's
+        count, last = tail_records(path, want, conf_get(conf, "data.on_bad_record", "error"), known)
     except (DataError, OSError) as e:
         raise PromptError(f"{path}: {e}", 3 if not isinstance(e, FileNotFoundError) else 2) from None
     tail = [(i, where_short(path, at), rec) for i, at, rec in last]

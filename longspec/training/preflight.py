@@ -88,6 +88,9 @@ def preflight(conf: dict[str, Any]) -> Preflight:
     if getattr(dataset, "skipped", 0):
         print0(f"[{conf['stage']}] skipped {dataset.skipped} bad records of {train_file}; first: "
                f"{(getattr(dataset, 'problems', None) or ['?'])[0]}")
+    if getattr(dataset, "untrainable", 0):
+        print0(f"[{conf['stage']}] skipped {dataset.untrainable} records with nothing to train within "
+               f"max_seq_length; first: {(getattr(dataset, 'untrainable_problems', None) or ['?'])[0]}")
     return Preflight(tcfg, tokenizer, dataset, draft_state, draft_sha)
 
 

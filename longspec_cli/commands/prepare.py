@@ -34,12 +34,14 @@ the tokenizer files and the data options, and rebuilt when the file's content ch
 cache is damaged. `longspec run` prepares a missing cache itself before DeepSpeed starts; the
 trainer memory-maps it, so restarts and resumes never tokenize again.
 
-The summary: records, tokens, trained tokens, skipped bad records, the truncated fraction, a
+The summary: records, tokens, trained tokens, skipped bad records, untrainable records (nothing to
+train within max_seq_length: skipped, the first few named FILE:row N), the truncated fraction, a
 length histogram and the steps one epoch gives at the stage's global batch (launch.gpus x
 launch.nodes ranks). Progress (records, tokens/s, ETA) goes to stderr.
 
-Exit codes: 0 ok, 1 refused (config errors), 2 usage, 3 unreadable input (a malformed record:
-file:line; set data.on_bad_record: skip to leave such records out)."""
+Exit codes: 0 ok, 1 refused (config errors; more untrainable records than
+data.max_untrainable_share allows, with the figures), 2 usage, 3 unreadable input (a malformed
+record: file:line; set data.on_bad_record: skip to leave such records out)."""
 
 
 def prepare(

@@ -35,7 +35,9 @@ Writes DIR/data/regen/STAGE/: parquet shards in source order (each row: id, the 
 finish_reason, token counts) and manifest.json (target and tokenizer digests, the source's
 fingerprint, prompt rule, settings, engine, counts). A rerun resumes after the last complete
 shard; a changed source, target or setting is refused unless --force. Chat answers cut at the
-token limit (max_seq_length minus the prompt) are dropped unless --keep-truncated; all are counted.
+token limit (max_seq_length minus the prompt) are dropped unless --keep-truncated; a row with no
+token to train within max_seq_length (the target ended a document at once, an answer after a prompt
+that fills the length) is never written: it is counted as untrainable, with the first few ids.
 
 --server: OpenAI-compatible servers (`vllm serve TARGET` per node, or `transformers serve`),
 --concurrency requests at a time on each; 408, 429 and 5xx are retried with backoff. A server that
@@ -142,7 +144,7 @@ def regenerate_cmd(
         else:
             for r in results:
                 typer.echo(f"{r['stage']}: {r['kept']} rows kept, {r['truncated']} truncated, {r['failed']} failed, "
-                           f"{r['skipped']} skipped -> {r['out']}")
+                           f"{r['skipped']} skipped, {r.get('untrainable', 0)} untrainable -> {r['out']}")
                 if r.get("used"):
                     typer.echo(f"  {r['used']}")
         stopped = next((r["stopped_by"] for r in results if r.get("stopped_by") in ("SIGINT", "SIGTERM")), None)

@@ -16,10 +16,14 @@ EPILOG = """Examples:
 
 States: pending, running, queued or requeued (a SLURM job holds the stage: its job id is shown),
 done, stale (config or input draft changed since the run), preempted, failed.
-Each stage's data: ready (tokens, epochs the planned steps cover), missing, stale (train_file
-changed since `longspec prepare`) or corrupt; `run` prepares what is not ready.
+Each stage's data: ready (tokens, epochs the planned steps cover, untrainable records skipped),
+missing, stale (train_file changed since `longspec prepare`), corrupt, or refused (more records
+train nothing within max_seq_length than data.max_untrainable_share allows); `run` prepares what
+is not ready.
 A stage whose data `longspec regenerate` is writing shows `regenerating N/M rows` (interrupted once
-its process is gone: rerun it to resume); one trained on another target's regenerated answers is stale.
+its process is gone: rerun it to resume); one that ended shows its rows kept, truncated, failed,
+skipped and untrainable (not written: nothing to train within max_seq_length; the first ids named).
+A stage trained on another target's regenerated answers is stale.
 
 Exit codes: 0 ok, 2 no such project, 3 unreadable longspec.yaml."""
 
@@ -93,7 +97,7 @@ def _render(manifest, stages, plan: str) -> None:
 def _render_prepared(prepared: dict) -> None:
     """One line per stage: its prepared data (tokens, epochs the planned steps cover) or why not."""
     for name, st in prepared.items():
-        style = "dim" if st.state == "ready" else ("yellow" if st.state in ("stale", "corrupt", "missing") else "dim")
+        style = "dim" if st.state == "ready" else ("yellow" if st.state in ("stale", "corrupt", "missing", "refused") else "dim")
         typer.secho(f"  {name}: data {st.line()}", dim=style == "dim", fg="yellow" if style == "yellow" else None)
 
 

@@ -5,7 +5,9 @@ cache; the trainer memory-maps it; `status`, `validate` and the monitor read its
 
 A cache is a folder <cache root>/prepared/<stem>-<key>/ (core.atomic.cache_root) named by the source path (a
 file, a folder or a glob of shards: core.datafiles), the tokenizer's files and the data options (collator,
-max_seq_length, on_bad_record). The manifest fingerprints every file of the source (size, stat, sha256):
+max_seq_length, on_bad_record). Records with nothing to train within max_seq_length are skipped and
+counted (`untrainable`, with the first few `FILE:row N`), up to the stage's data.max_untrainable_share
+of the records read (untrainable_refusal: above it the data is refused). The manifest fingerprints every file of the source (size, stat, sha256):
 a shard added, removed or changed makes the cache stale.
 
   manifest.json          written last (atomic): key, source fingerprint, counts, files, histogram
@@ -38,7 +40,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model",
                    "spiece.model", "chat_template.jinja", "chat_template.json")
 STATUS_HASH_LIMIT = 1 << 30   # status/validate hash a touched train_file only up to this size
-STATES = ("ready", "missing", "stale", "corrupt", "unknown")
+STATES = ("ready", "missing", "stale", "corrupt", "refused", "unknown")
+# data.max_untrainable_share: the share of a stage's well-formed records that may train nothing within
+# max_seq_length (skipped); above it a wrong max_seq_length or collator is the likelier cause.
+UNTRAINABLE_LIMIT = 0.05
+KEEP_EXAMPLES = 3            # the `FILE:row N` of the first untrainable records shown in summaries
 
 
 class CacheProblem(Exception):
@@ -69,6 +75,28 @@ def data_options(data: Any) -> dict[str, Any]:
     """The `data:` block's options that change the tokens, defaults filled in."""
     data = data if isinstance(data, dict) else {}
     return {k: data.get(k, DATA_DEFAULTS[k]) for k in DATA_OPTIONS}
+
+
+def untrainable_limit(data: Any) -> float:
+    """The stage's data.max_untrainable_share (0..1), the default when unset."""
+    v = (data if isinstance(data, dict) else {}).get("max_untrainable_share", UNTRAINABLE_LIMIT)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else UNTRAINABLE_LIMIT
+
+
+def untrainable_refusal(man: dict, limit: float) -> str | None:
+    """Why a stage's prepared data is refused: more of its records train nothing within max_seq_length
+    than data.max_untrainable_share allows (None: within it). `man`: a cache manifest's counts."""
+    n, records = man.get("untrainable") or 0, man.get("records") or 0
+    share = n / max(n + records, 1)
+    if n == 0 or share <= limit:
+        return None
+    key = man.get("key") or {}
+    first = "; ".join((man.get("untrainable_problems") or [])[:KEEP_EXAMPLES])
+    return (f"{n:,} of {n + records:,} records ({share:.2%}) train no token within max_seq_length="
+            f"{key.get('max_seq_length')} (collator {key.get('collator')}), more than "
+            f"data.max_untrainable_share={limit:g} ({limit:.2%}) allows" + (f"; first: {first}" if first else "")
+            + ". A wrong max_seq_length or collator? Fix it, or raise data.max_untrainable_share to train "
+            "on the rest")
 
 
 def key_fields(train_file: str | os.PathLike, target: str | os.PathLike, data: Any) -> dict[str, Any]:
@@ -208,6 +236,7 @@ class PreparedState:
     tokens: int | None = None
     trained_tokens: int | None = None
     skipped: int | None = None
+    untrainable: int | None = None   # records with nothing to train within max_seq_length, skipped
     truncated: int | None = None
     steps_per_epoch: int | None = None
     planned_steps: int | None = None
@@ -224,7 +253,8 @@ class PreparedState:
         if self.state != "ready":
             return self.reason or self.state
         text = f"ready {human(self.tokens or 0)} tok"
-        return text + (f", {self.epochs:.2g} ep" if self.epochs is not None else "")
+        text += f", {self.epochs:.2g} ep" if self.epochs is not None else ""
+        return text + (f", {self.untrainable:,} untrainable records skipped" if self.untrainable else "")
 
 
 def collator_version() -> int | None:
@@ -259,8 +289,11 @@ def stage_prepared(conf: dict, base_dir: Path, world: int = 1, full: bool = Fals
         return PreparedState(state, str(e), str(folder))
     except OSError as e:
         return PreparedState("unknown", f"cannot read the cache: {e.strerror or e}", str(folder))
+    why = untrainable_refusal(man, untrainable_limit(conf.get("data")))
+    if why is not None:                     # prepared under a higher limit than the stage's now
+        return PreparedState("refused", f"refused: {why}", str(folder), untrainable=man.get("untrainable"))
     st = PreparedState("ready", path=str(folder), **{k: man.get(k) for k in (
-        "records", "tokens", "trained_tokens", "skipped", "truncated")})
+        "records", "tokens", "trained_tokens", "skipped", "untrainable", "truncated")})
     st.extra["chat_check"] = man.get("chat_check")
     ga, micro = _int(conf.get("gradient_accumulation_steps"), 1), _int(conf.get("per_gpu_train_batch_size"), 1)
     st.steps_per_epoch = steps_per_epoch(st.records or 0, micro, ga, world)
@@ -309,8 +342,12 @@ def result_of(man: dict, conf: dict, world: int, folder: Path, built: bool, seco
          "steps_per_epoch": steps_per_epoch(records, micro, ga, world),
          "planned_steps": planned_steps(conf, records, world)}
     r["epochs"] = round(r["planned_steps"] * ga / max(batches_per_epoch(records, micro, world), 1), 3)
-    for k in ("records", "tokens", "trained_tokens", "skipped", "truncated", "histogram", "problems"):
+    for k in ("records", "tokens", "trained_tokens", "skipped", "truncated", "histogram", "problems",
+              "untrainable", "untrainable_problems"):
         r[k] = man.get(k)
+    r["untrainable"] = r["untrainable"] or 0
+    r["untrainable_share"] = round(r["untrainable"] / max(records + r["untrainable"], 1), 6)
+    r["max_untrainable_share"] = untrainable_limit(conf.get("data"))
     r["truncated_fraction"] = round(man["truncated"] / max(records, 1), 6)
     return r
 
@@ -321,6 +358,7 @@ def result_text(r: dict) -> list[str]:
     lines = [f"[{r['stage']}] {head} in {r['seconds']:.1f} s: {r['cache']}"]
     lines += [f"  {line}" for line in summary_lines(r, r["steps_per_epoch"], r["global_batch"])]
     lines.append(f"  planned {r['planned_steps']:,} steps cover {r['epochs']:.3g} epochs")
+    lines += [f"  untrainable, skipped: {p}" for p in (r.get("untrainable_problems") or [])[:KEEP_EXAMPLES]]
     return lines + [f"  skipped: {p}" for p in (r.get("problems") or [])[:3]]
 
 
@@ -328,7 +366,8 @@ def summary_lines(man: dict, steps: int | None = None, global_batch: int | None 
     """The human summary of a prepared cache (manifest) for `longspec prepare`."""
     rec, tok, tr = man.get("records", 0), man.get("tokens", 0), man.get("trained_tokens", 0)
     lines = [f"records {rec:,}   tokens {tok:,}   trained tokens {tr:,} ({tr / max(tok, 1):.1%})",
-             f"skipped bad records {man.get('skipped', 0):,}   truncated "
+             f"skipped bad records {man.get('skipped', 0):,}   untrainable records (nothing to train within "
+             f"max_seq_length) {man.get('untrainable') or 0:,}   truncated "
              f"{man.get('truncated', 0) / max(rec, 1):.1%} of records at max_seq_length "
              f"{(man.get('key') or {}).get('max_seq_length')}"]
     if steps is not None:
@@ -362,7 +401,7 @@ def prepared_note(state: PreparedState) -> str:
         return (f"train_file prepared: {state.records:,} records, {state.tokens:,} tokens "
                 f"({state.trained_tokens:,} trained); {state.planned_steps:,} planned steps cover "
                 f"{state.epochs:.3g} epochs ({state.steps_per_epoch:,} steps per epoch)")
-    if state.state == "unknown":
+    if state.state in ("unknown", "refused"):
         return f"train_file not prepared: {state.reason}"
     return (f"train_file {state.reason}: `longspec prepare` (or `longspec run`, before it starts "
             "DeepSpeed) tokenizes it once")

@@ -9,6 +9,8 @@ of its progress record, of the target digest its manifest holds, and of what bot
     manifest.json   longspec.data.regenstore's; here its format, target digest and how far the
                     rows got (records, done, counts.failed, complete, rerun: `folder_state`, what
                     status, monitor, `regenerate --use` and `demo --regenerate` all go by).
+                    Its counts (kept, truncated, failed, skipped, untrainable with the first ids)
+                    are what `status` notes for a regeneration that ended (`written`).
 
 Pure: no torch (psutil through core.liveness, hashlib for the digest).
 """
@@ -177,6 +179,37 @@ def folder_state(folder: Path) -> FolderState | None:
     records = _count(man.get("records")) or done
     rerun = man.get("rerun") if isinstance(man.get("rerun"), str) else None
     return FolderState(records, done, _count(counts.get("failed")), man.get("complete") is True, rerun, str(folder))
+
+
+REASONS = ("kept", "truncated", "failed", "skipped", "untrainable")
+
+
+def written(folder: Path) -> dict | None:
+    """What a regeneration folder holds, from its manifest (None without one): {state: complete |
+    partial, done, total, pid: None, folder, counts: {kept, ..., untrainable, untrainable_ids}}."""
+    man = read_manifest(folder)
+    if man is None:
+        return None
+    c = man.get("counts") if isinstance(man.get("counts"), dict) else {}
+    counts = {k: _count(c.get(k)) for k in REASONS}
+    ids = c.get("untrainable_ids")
+    counts["untrainable_ids"] = [str(i) for i in ids] if isinstance(ids, list) else []
+    return {"state": "complete" if man.get("complete") is True else "partial", "done": _count(man.get("done")),
+            "total": _count(man.get("records")), "pid": None, "folder": str(folder), "counts": counts}
+
+
+def written_line(w: dict) -> str:
+    """`regenerated 64/64 rows: kept 60, truncated 2, failed 0, skipped 0, untrainable 2 (base.jsonl#7, ...)`."""
+    c = w["counts"]
+    return (f"regenerated {w['done']:,}/{w['total']:,} rows{'' if w['state'] == 'complete' else ' so far'}: "
+            + ", ".join(f"{k} {c[k]:,}" for k in REASONS) + untrainable_ids(c) + f" ({w['folder']})")
+
+
+def untrainable_ids(counts: dict) -> str:
+    """` (nothing to train within max_seq_length: base.jsonl#5, ...)`, or "" without such rows."""
+    ids = counts.get("untrainable_ids") or []
+    more = ", ..." if (counts.get("untrainable") or 0) > len(ids) else ""
+    return f" (nothing to train within max_seq_length: {', '.join(ids)}{more})" if ids else ""
 
 
 def stage_folder(root: Path, stage: str) -> Path:

@@ -148,6 +148,7 @@ LONGSPEC_SPEC: dict[str, Spec] = {
         "collator": _enum(*COLLATORS),
         "max_seq_length": _pos_int(),
         "on_bad_record": _enum("error", "skip"),
+        "max_untrainable_share": _float(0, 1),
     }),
     "positions": Spec("map", children={
         "mode": _enum("anchor_offset", "plain"),

@@ -74,7 +74,8 @@ class StageStatus:
     job_id: str | None = None  # the SLURM job of the run record, if any
     # the stage's data regeneration (core.regenstate), when one is recorded:
     # {state: running | interrupted | unknown, done, total, pid, folder}, or
-    # {state: unfinished, done, total, failed, folder, rerun} (core.regenstate.folder_state)
+    # {state: unfinished, done, total, failed, folder, rerun} (core.regenstate.folder_state), or one that
+    # ended whole: {state: complete, done, total, pid: None, folder, counts}
     regeneration: dict | None = None
 
     def to_json(self) -> dict[str, Any]:
@@ -197,6 +198,9 @@ def _read_regen(st: StageStatus, spec: StageSpec, root: Path | None):
         st.reasons.append(rows.line())          # ended with failed or missing rows: a rerun finishes it
         st.regeneration = {"state": "unfinished", "done": rows.done, "total": rows.records,
                            "failed": rows.failed, "folder": rows.folder, "rerun": rows.rerun}
+    elif (done := regenstate.written(folder)) is not None:   # ended whole: its counts, untrainable rows too
+        st.reasons.append(regenstate.written_line(done))
+        st.regeneration = done
     c = compose_stage(spec.config, stage_overrides(spec.output_dir, []))
     train, target = (c.get(k) if c.ok else None for k in ("train_file", "model_name_or_path"))
     if isinstance(train, str) and isinstance(target, str):

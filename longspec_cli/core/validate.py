@@ -161,7 +161,7 @@ def _prepared_info(c, m, world: int) -> list[Problem]:
     if not c.ok:
         return []
     st = stage_prepared(c.data, m.root, world)
-    return ([c.problem("info", "train_file", prepared_note(st))]
+    return ([c.problem("warning" if st.state == "refused" else "info", "train_file", prepared_note(st))]
             + [c.problem("warning", "train_file", w) for w in prepared_warnings(st)])
 
 

@@ -115,5 +115,6 @@ def regenerate_for_demo(manifest, overrides: list[str], say) -> None:
                                hint="run the demo again: it asks the failed rows again and goes on")
         if not r.get("kept"):
             raise RefusedError(f"{spec.name}: the regeneration kept no row ({out})")
-        say(f"  kept {r['kept']}, truncated {r['truncated']}, failed {r['failed']}, skipped {r['skipped']}; "
+        say(f"  kept {r['kept']}, truncated {r['truncated']}, failed {r['failed']}, skipped {r['skipped']}, "
+            f"untrainable {r.get('untrainable', 0)}; "
             + use_folder(spec.config, out))

@@ -1,7 +1,7 @@
 """`longspec demo --regenerate`'s plan: each stage regenerates the records its training draws
 (max_steps x global batch, the demo's --max-steps override included) plus the held-out ones, with
 a document context that fits the base stage; a stage already on a regeneration folder is left out.
-(The whole demo with --regenerate runs in bench/bench_regen_tau.py.)"""
+(The whole demo with --regenerate runs in tests/cli/test_demo.py and bench/bench_regen_tau.py.)"""
 
 from __future__ import annotations
 

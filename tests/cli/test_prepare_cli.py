@@ -48,11 +48,34 @@ def test_prepare_then_status_validate_and_a_changed_or_bad_train_file(tmp_path):
     assert st["state"] == "stale" and "base.jsonl changed" in st["reason"]
     assert "data stale: base.jsonl changed" in cli("status", str(proj)).stdout
 
+    with data.open("a") as f:                          # nothing to train: skipped and counted, not malformed
+        f.write('{"text": ""}\n')
+    res = cli("prepare", str(proj), "base", "--json")
+    assert res.returncode == 0, res.stderr[-3000:]
+    one = json.loads(res.stdout)["stages"][0]
+    assert (one["records"], one["untrainable"], one["skipped"]) == (2501, 1, 0)
+    assert one["untrainable_problems"] == [f"{data}:2502: no trained tokens within max_seq_length=128 (collator short_text)"]
+    assert f"untrainable, skipped: {data}:2502" in res.stderr
+    assert prepared(proj, "base")["untrainable"] == 1
+    assert "base: data ready" in (out := cli("status", str(proj)).stdout) and "1 untrainable records skipped" in out
+    stage_file = proj / "conf" / "exp" / "base.yaml"
+    text = stage_file.read_text()
+    stage_file.write_text(text.replace("max_untrainable_share: 0.05", "max_untrainable_share: 0"))
+    st = prepared(proj, "base")                        # the same cache, refused under the lower limit
+    assert st["state"] == "refused" and "1 of 2,502 records (0.04%) train no token" in st["reason"]
+    said = json.loads(cli("validate", str(proj), "--json").stdout)["problems"]
+    assert any(p["severity"] == "warning" and p["message"].startswith("train_file not prepared: refused: 1 of 2,502")
+               for p in said), said
+    res = cli("prepare", str(proj), "base")
+    assert res.returncode == 1 and "more than data.max_untrainable_share=0 (0.00%) allows; first: " \
+        f"{data}:2502" in " ".join(res.stderr.split()), res.stderr[-3000:]
+    stage_file.write_text(text)
+
     with data.open("a") as f:
         f.write('{"txet": "misspelt"}\n')
     res = cli("prepare", str(proj), "base")
     assert res.returncode == 3, res.stdout + res.stderr
-    assert "base.jsonl:2502: missing field 'text'" in " ".join(res.stderr.split())
+    assert "base.jsonl:2503: missing field 'text'" in " ".join(res.stderr.split())
     assert prepared(proj, "base")["state"] == "stale"                  # the old cache is not replaced
 
     # the same records as the hub serves a parquet dataset: shards behind a glob, used as they are

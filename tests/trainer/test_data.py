@@ -217,11 +217,13 @@ def test_zero_usable_records_is_always_an_error(tmp_path, tok, mode):
         build_dataset(empty, tok, "short_text", 64, on_bad_record=mode)
 
 
-def test_record_with_nothing_to_train_is_bad(tmp_path, tok):
-    # an empty text is only its EOS, which is not trained by default: nothing to learn
+def test_record_with_nothing_to_train_is_skipped_and_counted_not_bad(tmp_path, tok):
+    # an empty text is only its EOS, which is not trained by default: nothing to learn, nothing malformed
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": ""}, {"text": "a ."}])
-    with pytest.raises(DataError, match=r"d\.jsonl:1: no trained tokens"):
-        build_dataset(path, tok, "short_text", 64)
+    ds = build_dataset(path, tok, "short_text", 64)
+    assert len(ds) == 1 and ds.untrainable == 1 and ds.skipped == 0
+    with pytest.raises(DataError, match=r"no usable records .*0 bad, 1 with nothing to train"):
+        build_dataset(write_jsonl(tmp_path / "e.jsonl", [{"text": ""}]), tok, "short_text", 64)
 
 
 def test_missing_and_unreadable_files_are_named(tmp_path, tok):

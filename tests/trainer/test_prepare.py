@@ -121,6 +121,43 @@ def test_bad_record_names_file_and_line_in_error_and_skip_mode(tiny, tok, tmp_pa
     assert len(ds) == 2 and man["skipped"] == 1 and "bad.jsonl:2" in man["problems"][0]
 
 
+def test_untrainable_records_are_skipped_and_counted_and_too_many_refuse_the_stage(tiny, tok, tmp_path):
+    """A record with nothing to train (an empty answer) is no malformed record: on_bad_record: error
+    still trains the rest, counting it; above data.max_untrainable_share the stage is refused."""
+    docs = Path(tiny["data"]["base"]).read_text().splitlines()[:40]
+    src = tmp_path / "few.jsonl"
+    src.write_text("\n".join(docs[:3] + ['{"text": ""}'] + docs[3:9] + ['{"text": ""}'] + docs[9:]) + "\n")
+    ds, man, built = cache.ensure(src, str(tiny["target"]), opts("short_text", 96), tokenizer=tok, progress=False)
+    assert built and len(ds) == man["records"] == 40 and man["untrainable"] == 2 and man["skipped"] == 0
+    assert man["untrainable_problems"] == [f"{src}:{n}: no trained tokens within max_seq_length=96 (collator short_text)"
+                                           for n in (4, 11)]
+    r = P.result_of(man, {"stage": "base", "data": {}}, 1, ds.folder, True, 0.1)
+    assert r["untrainable"] == 2 and r["untrainable_share"] == round(2 / 42, 6) and r["max_untrainable_share"] == 0.05
+    text = "\n".join(P.result_text(r))
+    assert "untrainable records (nothing to train within max_seq_length) 2" in text
+    assert f"untrainable, skipped: {src}:4: no trained tokens" in text
+    # the same cache under a lower limit: refused with the figures, without tokenizing again
+    with pytest.raises(cache.UntrainableRefused, match=r"2 of 42 records \(4\.76%\) train no token within "
+                       r"max_seq_length=96 \(collator short_text\), more than data\.max_untrainable_share=0\.01"):
+        cache.ensure(src, str(tiny["target"]), opts("short_text", 96, max_untrainable_share=0.01), progress=False)
+    # many: a third of the records train nothing; refused, no cache left; malformed ones still follow on_bad_record
+    many = tmp_path / "many.jsonl"
+    many.write_text("".join(doc + "\n" + '{"text": ""}\n' * (i % 2) for i, doc in enumerate(docs[:20])))
+    n_empty = 10
+    with pytest.raises(cache.UntrainableRefused, match=rf"{many}: 10 of 30 records \(33\.33%\) train no token"):
+        cache.ensure(many, str(tiny["target"]), opts("short_text", 96), tokenizer=tok, progress=False)
+    fields = P.key_fields(many, tiny["target"], opts("short_text", 96))
+    assert P.read_manifest(P.cache_dir(fields)) is None
+    with many.open("a") as f:
+        f.write('{"txet": "misspelt"}\n')
+    with pytest.raises(encoding.DataError, match=r"many\.jsonl:\d+: missing field 'text'"):
+        cache.ensure(many, str(tiny["target"]), opts("short_text", 96, max_untrainable_share=1.0), tokenizer=tok,
+                     progress=False)
+    ds, man, _ = cache.ensure(many, str(tiny["target"]), opts("short_text", 96, on_bad_record="skip",
+                                                              max_untrainable_share=0.5), tokenizer=tok, progress=False)
+    assert (len(ds), man["untrainable"], man["skipped"]) == (20, n_empty, 1)
+
+
 def records_of(path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 

@@ -1,7 +1,8 @@
 """Regeneration (`python -m longspec.regenerate`) on the tiny target: the embedded engine is greedy
 `generate`; a real `transformers serve` gives the same rows; kill -9 then a rerun gives the rows of
 an uninterrupted run; cut answers are dropped and counted; a changed setting is refused; a
-document's prefix is untrained context. Real tokenizer, real model, real processes, real server."""
+document's prefix is untrained context; a document the target ends at once is not written but
+counted, across a resume. Real tokenizer, real model, real processes, real server."""
 from __future__ import annotations
 
 import importlib.util
@@ -26,6 +27,9 @@ from longspec_cli.core import regenstate
 
 REPO = Path(__file__).resolve().parents[2]
 COT_RECORDS = 8
+# Base records in the other answer style (longspec.data.synthetic.restyle): the tiny target ends
+# 237 and 472 at once after their first 32 tokens (an empty continuation), 236 and 238 it continues.
+ENDS = (236, 237, 238, 472)
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +52,11 @@ def work(tmp_path_factory, tiny) -> Path:
     (root / "cot.jsonl").write_text("\n".join(lines[:COT_RECORDS]) + "\n")
     docs = Path(tiny["data"]["base"]).read_text().splitlines()
     (root / "doc.jsonl").write_text("\n".join(docs[:4]) + "\n")
+    from longspec.data.synthetic import restyle
+
+    (root / "ends.jsonl").write_text("".join(json.dumps(restyle(json.loads(docs[i]), "other")) + "\n" for i in ENDS))
     (root / "conf" / "exp").mkdir(parents=True)
-    for name, collator, seq in (("cot", "long_cot", 512), ("doc", "short_text", 96)):
+    for name, collator, seq in (("cot", "long_cot", 512), ("doc", "short_text", 96), ("ends", "short_text", 128)):
         (root / "conf" / "exp" / f"{name}.yaml").write_text(
             f"# @package _global_\nstage: {name}\nmodel_name_or_path: {tiny['target']}\n"
             f"train_file: {root / (name + '.jsonl')}\noutput_dir: {root / 'run'}\nprecision: fp32\n"
@@ -191,6 +198,26 @@ def test_document_prefix_is_untrained_context(work, tok):
         ids, trained = encoding.encode_record(x, tok, "short_text", 96, kinds)
         n_ctx = len(tok(x["context"])["input_ids"])
         assert not any(trained[:n_ctx]) and all(trained[n_ctx:-1]) and kinds[0] == "prompt"
+
+
+def test_documents_the_target_ends_at_once_are_not_written_but_counted_across_a_resume(work, tok):
+    """An empty continuation trains nothing (the tiny EOS is its pad): prepare would refuse it as
+    the stage's only answer, so regenerate drops it and counts it under its own reason."""
+    out = work / "out-ends"
+    first = regenerate(work, "ends", out, "--prefix-tokens", "32", "--shard-rows", "2", "--limit", "2")
+    assert (first["kept"], first["untrainable"], first["done"]) == (1, 1, 2)
+    r = regenerate(work, "ends", out, "--prefix-tokens", "32", "--shard-rows", "2")      # resumes at record 2
+    ids = ["ends.jsonl#1", "ends.jsonl#3"]
+    assert r["resumed_at"] == 2 and r["complete"] and (r["kept"], r["untrainable"], r["done"]) == (2, 2, 4)
+    assert r["untrainable_ids"] == ids and r["skipped"] == r["failed"] == r["truncated"] == 0
+    assert r["problems"] == ["ends.jsonl#3: untrainable: no trained tokens within max_seq_length=128 "
+                             "(the target's answer: 1 new token, finish stop)"]
+    assert f"untrainable 2 (nothing to train within max_seq_length: {', '.join(ids)})" in r["stderr"]
+    assert S.read_manifest(out)["counts"]["untrainable_ids"] == ids
+    rows = rows_of(out)
+    assert [x["id"] for x in rows] == ["ends.jsonl#0", "ends.jsonl#2"] and all(x["text"] for x in rows)
+    assert all(encoding.untrainable(x, tok, "short_text", 128) is None for x in rows)
+    assert encoding.untrainable({"context": rows[0]["context"], "text": ""}, tok, "short_text", 128)
 
 
 def test_sigterm_writes_the_rows_done_and_exits_5(embedded, work):

@@ -35,6 +35,8 @@ def test_show_records_are_the_trainers_tokens_with_counts(tmp_path, tok):
     assert "".join(t for _, t, tr in recs[0]["tokens"] if tr) == "2 plus 3 is 5 .<|im_end|>\n"
     assert recs[0]["cut"] == 0 and recs[0]["end_of_turn_trained"] is True
     assert recs[1]["cut"] > 0                                   # the long prompt was capped
+    empty = write(tmp_path / "e.jsonl", [{"text": ""}, {"text": "the cat ."}])   # nothing to train: skipped, as prepare does
+    assert [r["index"] for r in show_records(empty, tok, "short_text", 64, 5)] == [1]
 
 
 def test_first_records_check_counts_cut_ends_and_trained_system_markup(tmp_path, tok):

@@ -244,6 +244,23 @@ def test_replay_deals_only_the_records_before_the_run_folders_heldout_ones(tmp_p
     assert trained_indices(30, conf, 5) == drawn and max(drawn) < 24
 
 
+def test_replay_is_not_trusted_once_prepare_left_untrainable_records_out(tmp_path, monkeypatch):
+    from longspec.data import cache
+    from longspec.measure.prompts import trained_indices
+
+    monkeypatch.setenv("LONGSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    tok = word_tokenizer(["the", "cat", "."])
+    path = tmp_path / "base.jsonl"
+    path.write_text(json.dumps({"text": ""}) + "\n" + "".join(json.dumps({"text": "the cat ."}) + "\n" for _ in range(29)))
+    data = {"collator": "short_text", "on_bad_record": "error", "max_seq_length": 32}
+    conf = {"per_gpu_train_batch_size": 4, "gradient_accumulation_steps": 1, "global_batch_size": 4, "seed": 3,
+            "data": data, "train_file": str(path), "model_name_or_path": str(tmp_path)}
+    assert trained_indices(30, conf, 5) is not None              # no cache: nothing says a record was left out
+    man = cache.ensure(path, str(tmp_path), data, tokenizer=tok, progress=False)[1]
+    assert (man["records"], man["untrainable"]) == (29, 1)
+    assert trained_indices(30, conf, 5) is None                  # the prepared data's indices are not the file's
+
+
 def test_stage_prompts_are_held_out_records_cut_at_each_length(tmp_path):
     from longspec.measure.prompts import stage_prompts, trained_indices
 
