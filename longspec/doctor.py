@@ -63,7 +63,7 @@ def torch_checks(torch) -> list[dict]:
     return out
 
 
-def deepspeed_checks(torch) -> list[dict]:
+def deepspeed_checks() -> list[dict]:
     if importlib.util.find_spec("deepspeed") is None:
         return [check("deepspeed", "fail", "not installed: `longspec run` trains through DeepSpeed",
                       "pip install 'longspec[train]'")]
@@ -115,10 +115,10 @@ def kernel_checks(torch) -> list[dict]:
 def disk_checks(where: Path) -> list[dict]:
     import psutil
 
+    from longspec_cli.core.diskspace import existing_parent
+
     out = []
-    probe = where
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
+    probe = existing_parent(where)
     du = shutil.disk_usage(probe)
     out.append(check("disk", "ok" if du.free > 20 * GIB else "warn", f"{du.free / GIB:.1f} GiB free under {probe}",
                      None if du.free > 20 * GIB else "checkpoints of a 7B target's draft take GBs each: free space"))
@@ -140,7 +140,7 @@ def report(where: Path) -> dict:
     else:
         import torch
 
-        checks += torch_checks(torch) + deepspeed_checks(torch) + kernel_checks(torch)
+        checks += torch_checks(torch) + deepspeed_checks() + kernel_checks(torch)
     checks += disk_checks(where)
     failed = [c["name"] for c in checks if c["status"] == "fail"]
     return {"checks": checks, "failed": failed, "ok": not failed}

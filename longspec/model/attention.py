@@ -96,8 +96,9 @@ def attention(
 def choose(q, k, causal, window, key_padding_mask, impl=None) -> str:
     """The rung for this call (counted in CHOSEN, logged once per rung and reason)."""
     m = kernels.mode()
-    flash_why = flash_blocker(q, k, causal, key_padding_mask)
-    fused_why = torch_fused_blocker(q, k, causal, window, key_padding_mask)
+    shape_why = _shape_blocker(q, k, causal, key_padding_mask)      # one padding check (a host sync) per call
+    flash_why = flash_blocker(q, k, causal, key_padding_mask, shape_why)
+    fused_why = torch_fused_blocker(q, k, causal, window, key_padding_mask, shape_why)
     if impl is not None:
         if impl not in RUNGS:
             raise ValueError(f"attention: impl must be one of {', '.join(RUNGS)} (got {impl!r})")
@@ -127,15 +128,19 @@ def choose(q, k, causal, window, key_padding_mask, impl=None) -> str:
     return rung
 
 
-def flash_blocker(q, k, causal, key_padding_mask) -> str | None:
-    """Why flash-attn cannot compute this call exactly (None: it can)."""
+_UNCHECKED = object()
+
+
+def flash_blocker(q, k, causal, key_padding_mask, shape_why=_UNCHECKED) -> str | None:
+    """Why flash-attn cannot compute this call exactly (None: it can); ``shape_why``: the shape
+    check's answer when the caller has it already."""
     why = kernels.flash_unusable(q.device, q.dtype) or _below_top("flash_attn")
     if why:
         return why
-    return _shape_blocker(q, k, causal, key_padding_mask)
+    return _shape_blocker(q, k, causal, key_padding_mask) if shape_why is _UNCHECKED else shape_why
 
 
-def torch_fused_blocker(q, k, causal, window, key_padding_mask) -> str | None:
+def torch_fused_blocker(q, k, causal, window, key_padding_mask, shape_why=_UNCHECKED) -> str | None:
     """Why the torch_fused rung cannot compute this call exactly (None: it can)."""
     why = kernels.torch_fused_unusable(q.device, windowed=window is not None) or _below_top("torch_fused")
     if why:
@@ -144,7 +149,7 @@ def torch_fused_blocker(q, k, causal, window, key_padding_mask) -> str | None:
         return "not causal (one SDPA call already)"
     if window is not None and q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
         return "FlexAttention has no backward on the CPU"
-    return _shape_blocker(q, k, causal, key_padding_mask)
+    return _shape_blocker(q, k, causal, key_padding_mask) if shape_why is _UNCHECKED else shape_why
 
 
 def _below_top(rung: str) -> str | None:

@@ -100,14 +100,14 @@ def refusal(size: ModelSize, lengths: list[int], max_new: int, nbytes: int, avai
 
 
 def cpu_available() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes; None where there is none."""
+    """The memory available to a new process in bytes (psutil: MemAvailable on Linux); None when
+    the platform does not say."""
+    import psutil
+
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
+        return int(psutil.virtual_memory().available)
+    except (OSError, RuntimeError, AttributeError):
         return None
-    return None
 
 
 def gpu_free(timeout: float = 10.0) -> int | None:
