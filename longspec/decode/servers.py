@@ -47,18 +47,20 @@ class Rotation:
         self.all_down_since: float | None = None
         self._turn = 0
         self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)   # a slot released or a server back: look again
         self._closed = threading.Event()
         self._prober: threading.Thread | None = None
 
     def acquire(self) -> int:
         """A server with a free slot, round robin among those up (blocks while all are busy);
         ServersGone once none has been up for `wait` seconds."""
-        while True:
-            with self._lock:
+        with self._freed:
+            while True:
                 if self.gone:
                     raise ServersGone(self.gone_message())
                 if self.all_down_since is not None and time.monotonic() - self.all_down_since >= self.wait:
                     self.gone = True
+                    self._freed.notify_all()
                     raise ServersGone(self.gone_message())
                 n = len(self.urls)
                 for k in range(n):
@@ -66,10 +68,13 @@ class Rotation:
                     if self.up[i] and self.slots[i].acquire(blocking=False):
                         self._turn = i + 1
                         return i
-            time.sleep(0.005 if self.all_down_since is None else 0.1)
+                # asleep until a slot frees or a server comes back; awake now and then for the bound
+                self._freed.wait(0.1 if self.all_down_since is not None else 1.0)
 
     def release(self, i: int) -> None:
-        self.slots[i].release()
+        with self._freed:
+            self.slots[i].release()
+            self._freed.notify_all()
 
     def down(self, i: int, reason: str) -> None:
         """Server i gave no answer: out of the rotation (said once), probed until it answers."""
@@ -92,6 +97,7 @@ class Rotation:
             if self.up[i] or self.gone:
                 return
             self.up[i], self.all_down_since = True, None
+            self._freed.notify_all()
         self.tell(f"server {self.urls[i]} answers again; back in the rotation")
 
     def _probe_loop(self) -> None:
