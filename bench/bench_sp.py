@@ -17,7 +17,7 @@ g x T x keys per call); in training, when a sequence spans several chunks (as he
 checkpointed, so the masks (floats inside SDPA) are no longer kept for backward. SP 2 still does not lower the CPU peak (README "Past 32k": the
 same growth per token as SP 1, cause not found); with flash-attn (CUDA) there is no mask.
 
-Estimated part: longspec_cli.launch.memory.estimate (bf16, ZeRO-3 + optimizer offload, flash-attn,
+Estimated part: longspec_cli.core.memory.estimate (bf16, ZeRO-3 + optimizer offload, flash-attn,
 micro batch 1) for Llama-3.1-8B and QwQ-32B at 64k and 128k tokens on 8 GPUs of 141 and 80 GiB:
 the peak per GPU at SP 1, 2, 4, 8 and the smallest SP that fits 95% of the GPU.
 """
@@ -172,7 +172,7 @@ def estimates() -> list[dict]:
     from dataclasses import replace
 
     from longspec_cli.core import presets
-    from longspec_cli.launch import memory as M
+    from longspec_cli.core import memory as M
 
     rows = []
     for name in ("llama3.1-8b-instruct", "qwq-32b-preview"):

@@ -12,7 +12,7 @@ target's forward, the draft's forward and backward, both losses, and an AdamW st
 memory) ends the run, the lengths after it are recorded as skipped, with the reason. FLOPs are
 counted here (``step_flops``: every matrix product of the target's forward with its attention, the
 draft's forward and backward with both attentions, both losses' lm_head products) and divided by
-the step time. The estimate is longspec_cli.launch.memory.estimate for the same shape
+the step time. The estimate is longspec_cli.core.memory.estimate for the same shape
 (ZeRO-0, no offload, the attention kernel actually chosen); the JSON holds both and their ratio.
 """
 from __future__ import annotations
@@ -87,7 +87,7 @@ def build_target(dims: dict, device, dtype):
 
 
 def estimate_bytes(dims: dict, seq: int, window: int, flash: bool, on_cuda: bool) -> float:
-    from longspec_cli.launch.memory import ModelSize, StageShape, estimate
+    from longspec_cli.core.memory import ModelSize, StageShape, estimate
 
     size = ModelSize.from_mapping({**dims, "model_type": "qwen2"})
     shape = StageShape(size=size, precision="bf16", zero_stage=0, offload_optimizer=False, seq_len=seq,

@@ -100,11 +100,11 @@ def load_models(target: Path, draft: Path, sliding_window: int, dtype, device):
 def check_memory(args, target: Path, max_seq: int, dtype, device) -> None:
     """EvalError 3 before any weight loads when the longest length bucket known now (--lengths, or
     the default buckets of max_seq; --bench's come from its prompts) cannot fit on ``device``
-    (longspec_cli.launch.evalmemory: weights + KV cache + prefill; free GPU memory or MemAvailable)."""
+    (longspec_cli.core.evalmemory: weights + KV cache + prefill; free GPU memory or MemAvailable)."""
     import torch
 
-    from longspec_cli.launch import evalmemory as EM
-    from longspec_cli.launch.memory import ModelSize
+    from longspec_cli.core import evalmemory as EM
+    from longspec_cli.core.memory import ModelSize
 
     lengths = args.lengths or (None if args.bench else EM.default_lengths(max_seq))
     try:

@@ -230,9 +230,8 @@ def test_every_package_face_is_a_docstring_alone():
         assert not missing, f"{group}'s docstring does not name {missing}"
 
 
-# What the trainer may take from the front end: the pure core, and the launch layer's two estimates.
-TRAINER_MAY_IMPORT = ("longspec_cli.core", "longspec_cli.errors", "longspec_cli.launch.memory",
-                      "longspec_cli.launch.evalmemory")
+# What the trainer may take from the front end: the pure core (the memory estimates included).
+TRAINER_MAY_IMPORT = ("longspec_cli.core", "longspec_cli.errors")
 
 
 def test_the_trainer_takes_only_pure_pieces_of_the_front_end():
@@ -241,7 +240,7 @@ def test_the_trainer_takes_only_pure_pieces_of_the_front_end():
                  for d in deps if d.startswith("longspec_cli")
                  and not any(d == p or d.startswith(p + ".") for p in TRAINER_MAY_IMPORT))
     assert not bad, "the trainer reaches into the CLI's verbs or screens:\n  " + "\n  ".join(bad)
-    front = {d for m, deps in graph.items() if m.startswith(("longspec_cli.launch.memory", "longspec_cli.launch.evalmemory"))
-             for d in deps if d.startswith("longspec_cli")}
-    assert all(any(d == p or d.startswith(p + ".") for p in TRAINER_MAY_IMPORT) or d == "longspec_cli.launch.argv"
-               for d in front), front
+    core = {f"{m} -> {d}" for m, deps in graph.items() if m.startswith("longspec_cli.core")
+            for d in deps if d.startswith("longspec_cli")
+            and not any(d == p or d.startswith(p + ".") for p in TRAINER_MAY_IMPORT)}
+    assert not core, f"the pure core reaches out of itself: {sorted(core)}"

@@ -160,7 +160,7 @@ def eval_cmd(
         if not todo:
             raise RefusedError("no stage has a finished draft yet",
                                hint=f"train one first: longspec run {project_dir} --all")
-        from longspec_cli.launch.evalmemory import run_refusal
+        from longspec_cli.launch.evalcheck import run_refusal
 
         for st in todo:     # the longest length bucket on the device eval decodes on: before anything starts
             refused = run_refusal(st.output_dir, lengths, max_new_tokens, device, bench is not None)

@@ -13,7 +13,7 @@ from typing import Any
 from longspec_cli.core.manifest import Manifest, StageSpec
 from longspec_cli.errors import LongspecError, RefusedError, UsageError
 from longspec_cli.launch import argv as A
-from longspec_cli.launch import memory as M
+from longspec_cli.core import memory as M
 from longspec_cli.launch.plan import Console, StagePlan, composed
 
 

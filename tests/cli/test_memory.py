@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tests import needs
-from longspec_cli.launch import memory as M
+from longspec_cli.core import memory as M
 
 QWQ = M.ModelSize(hidden=5120, layers=64, heads=40, kv_heads=8, intermediate=27648, vocab=152064)
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from longspec_cli.core.checks.seqpar import largest_sp, sp_problems
-from longspec_cli.launch import memory as M
+from longspec_cli.core import memory as M
 from tests.cli.test_validate import edit, find, make_project, run_json, stage
 
 # Qwen2.5-7B: 28 query / 4 key-value heads; QwQ-32B: 40 / 8; Llama-3.1-8B: 32 / 8.

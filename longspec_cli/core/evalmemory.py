@@ -7,7 +7,7 @@ One prompt is decoded at a time, so one device holds, at the bucket's length L p
     weights      target + draft parameters x bytes
     KV cache     tokens x (target layers + 1 draft layer) x kv_heads x head_dim x 2 (K and V) x bytes
     prefill      one layer's transient over the prompt: tokens x (2 hidden + 3 intermediate) x bytes
-                 (as launch/memory.py's phase A)
+                 (as core/memory.py's phase A)
     runtime      CUDA context and allocator slack (2 GiB), or 0.5 GiB for the process on the CPU
 
 bytes: eval's dtype (fp32 on the CPU, the stage's precision on CUDA). Available: the CPU's
@@ -16,14 +16,10 @@ MemAvailable, or the GPU's free memory. A bucket fits when its total is at most 
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import subprocess
 from dataclasses import dataclass
-from pathlib import Path
 
-from longspec_cli.launch.memory import PRECISION_BYTES, RUNTIME_BYTES, ModelSize, gib
+from longspec_cli.core.memory import PRECISION_BYTES, RUNTIME_BYTES, ModelSize, gib
 
 CPU_RUNTIME_BYTES = 512 * 1024 ** 2
 MIN_BUCKETS = 2
@@ -110,48 +106,6 @@ def cpu_available() -> int | None:
         return None
 
 
-def gpu_free(timeout: float = 10.0) -> int | None:
-    """Free memory of the first visible GPU (the one `eval` decodes on) by nvidia-smi; None when unknown."""
-    smi = shutil.which("nvidia-smi")
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if smi is None or (visible is not None and visible.strip() in ("", "-1")):
-        return None
-    first = visible.split(",")[0].strip() if visible else "0"
-    try:
-        out = subprocess.run([smi, f"--id={first}", "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=timeout, check=True).stdout
-        return int(float(out.split()[0])) * 1024 ** 2
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return None
-
-
 def default_max_new(max_seq: int, max_new_tokens: int | None) -> int:
     """The most tokens eval generates per prompt: --max-new-tokens, else its largest default."""
     return max_new_tokens if max_new_tokens else max(1, min(1024, max_seq // 8))
-
-
-def run_refusal(run_dir: Path, lengths: str | None, max_new_tokens: int | None, device: str,
-                bench: bool) -> tuple[str, str] | None:
-    """`longspec eval`'s check of one finished stage before it starts longspec.evaluate: the run's
-    training_config.yaml (the target, max_seq_length, precision), --lengths or the default buckets
-    (--bench without --lengths: its prompts set them, evaluate checks), the device eval decodes on
-    ('auto': a GPU when nvidia-smi lists one). None when it fits or cannot be told here."""
-    from longspec_cli.core import yamlio
-    from longspec_cli.launch.argv import detect_gpus
-
-    try:
-        conf = yamlio.to_plain(yamlio.load_mapping(Path(run_dir) / "training_config.yaml").data)
-        max_seq = int((conf.get("data") or {}).get("max_seq_length") or 1024)
-        buckets = parse_lengths(lengths) if lengths else (None if bench else default_lengths(max_seq))
-        size = ModelSize.from_config_json(Path(str(conf.get("model_name_or_path"))).expanduser() / "config.json")
-    except (OSError, ValueError, TypeError, AttributeError, yamlio.YamlError):
-        return None                              # evaluate reports what is wrong
-    if not buckets:
-        return None
-    cuda = device == "cuda" or (device == "auto" and bool(detect_gpus()))
-    available = gpu_free() if cuda else cpu_available()
-    if available is None:
-        return None
-    nbytes = PRECISION_BYTES.get(str(conf.get("precision")), 2) if cuda else 4    # eval: fp32 on the CPU
-    return refusal(size, buckets, default_max_new(max_seq, max_new_tokens), nbytes, available,
-                   "the GPU eval decodes on (free memory)" if cuda else "this machine's CPU memory (MemAvailable)", cuda)

@@ -1,0 +1,54 @@
+"""`longspec eval`'s memory check of a finished stage before it starts longspec.evaluate: the
+device it decodes on and what that device has free; the arithmetic is longspec_cli.core.evalmemory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from longspec_cli.core import evalmemory as EM
+from longspec_cli.core.memory import PRECISION_BYTES, ModelSize
+
+
+def gpu_free(timeout: float = 10.0) -> int | None:
+    """Free memory of the first visible GPU (the one `eval` decodes on) by nvidia-smi; None when unknown."""
+    smi = shutil.which("nvidia-smi")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if smi is None or (visible is not None and visible.strip() in ("", "-1")):
+        return None
+    first = visible.split(",")[0].strip() if visible else "0"
+    try:
+        out = subprocess.run([smi, f"--id={first}", "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=timeout, check=True).stdout
+        return int(float(out.split()[0])) * 1024 ** 2
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def run_refusal(run_dir: Path, lengths: str | None, max_new_tokens: int | None, device: str,
+                bench: bool) -> tuple[str, str] | None:
+    """`longspec eval`'s check of one finished stage before it starts longspec.evaluate: the run's
+    training_config.yaml (the target, max_seq_length, precision), --lengths or the default buckets
+    (--bench without --lengths: its prompts set them, evaluate checks), the device eval decodes on
+    ('auto': a GPU when nvidia-smi lists one). None when it fits or cannot be told here."""
+    from longspec_cli.core import yamlio
+    from longspec_cli.launch.argv import detect_gpus
+
+    try:
+        conf = yamlio.to_plain(yamlio.load_mapping(Path(run_dir) / "training_config.yaml").data)
+        max_seq = int((conf.get("data") or {}).get("max_seq_length") or 1024)
+        buckets = EM.parse_lengths(lengths) if lengths else (None if bench else EM.default_lengths(max_seq))
+        size = ModelSize.from_config_json(Path(str(conf.get("model_name_or_path"))).expanduser() / "config.json")
+    except (OSError, ValueError, TypeError, AttributeError, yamlio.YamlError):
+        return None                              # evaluate reports what is wrong
+    if not buckets:
+        return None
+    cuda = device == "cuda" or (device == "auto" and bool(detect_gpus()))
+    available = gpu_free() if cuda else EM.cpu_available()
+    if available is None:
+        return None
+    nbytes = PRECISION_BYTES.get(str(conf.get("precision")), 2) if cuda else 4    # eval: fp32 on the CPU
+    return EM.refusal(size, buckets, EM.default_max_new(max_seq, max_new_tokens), nbytes, available,
+                   "the GPU eval decodes on (free memory)" if cuda else "this machine's CPU memory (MemAvailable)", cuda)
