@@ -6,14 +6,22 @@
 
 The target is a random-weight stack shaped like Qwen2.5-7B (28 layers, hidden 3584, 28 heads over
 4 KV heads, MLP 18944, vocab 152064; --layers to shorten it), in bf16. One step = the frozen
-target's forward, the draft's forward and backward, both losses, and an AdamW step on the draft
-(plain torch, no DeepSpeed: one GPU, nothing partitioned). Each length runs --warmup steps, then
+target's forward, the draft's forward and backward, both losses, and the optimizer step on the
+draft. --optimizer deepspeed (the default) steps through a DeepSpeed engine built from the
+trainer's own config (longspec/conf/config.yaml through longspec.training.dsconfig: ZeRO-1, no
+offload, bf16, torch's fused AdamW, fp32 master weights and moments: what a stage holds on one GPU);
+--optimizer adamw is plain torch AdamW on the bf16 draft (no master copy). Each length runs --warmup steps, then
 --steps timed ones; a length whose steps pass --length-timeout seconds (or that runs out of
 memory) ends the run, the lengths after it are recorded as skipped, with the reason. FLOPs are
 counted here (``step_flops``: every matrix product of the target's forward with its attention, the
 draft's forward and backward with both attentions, both losses' lm_head products) and divided by
-the step time. The estimate is longspec_cli.core.memory.estimate for the same shape
-(ZeRO-0, no offload, the attention kernel actually chosen); the JSON holds both and their ratio.
+the step time. The estimate is longspec_cli.core.memory.estimate for the same shape (world 1,
+ZeRO-1 without offload for the DeepSpeed step, the attention kernel actually chosen). Memory is
+measured three ways: the caching allocator's peak of live tensors (max_memory_allocated), its
+peak reserved (max_memory_reserved: what it holds from the driver), and the device's peak, the
+reserved peak plus what the process holds outside the allocator (CUDA context, cuBLAS and NCCL;
+the device's used memory less the reserved bytes, read after the steps). The estimate answers
+"will it fit", so the JSON's ratio is device peak over estimate.
 """
 from __future__ import annotations
 
@@ -47,6 +55,9 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--kernels", choices=("auto", "fused", "reference"), default="auto")
     ap.add_argument("--attention", choices=("flash_attn", "torch_fused", "sdpa"), default="flash_attn",
                     help="the attention ladder's top rung (default: all of it)")
+    ap.add_argument("--optimizer", choices=("deepspeed", "adamw"), default="deepspeed",
+                    help="deepspeed: the trainer's engine (ZeRO-1, fp32 master and moments); adamw: plain "
+                         "torch AdamW on the bf16 draft")
     ap.add_argument("--length-timeout", type=float, default=120.0,
                     help="seconds for one length's steps; past it the remaining lengths are skipped")
     return ap.parse_args(argv)
@@ -86,23 +97,58 @@ def build_target(dims: dict, device, dtype):
     return model.eval()
 
 
-def estimate_bytes(dims: dict, seq: int, window: int, flash: bool, on_cuda: bool) -> float:
+def estimate_bytes(dims: dict, seq: int, window: int, flash: bool, on_cuda: bool, precision: str,
+                   zero_stage: int) -> float:
     from longspec_cli.core.memory import ModelSize, StageShape, estimate
 
     size = ModelSize.from_mapping({**dims, "model_type": "qwen2"})
-    shape = StageShape(size=size, precision="bf16", zero_stage=0, offload_optimizer=False, seq_len=seq,
-                       micro_batch=1, world_size=1, flash=flash, sliding_window=window, cuda=on_cuda)
+    shape = StageShape(size=size, precision=precision, zero_stage=zero_stage, offload_optimizer=False,
+                       seq_len=seq, micro_batch=1, world_size=1, flash=flash, sliding_window=window,
+                       cuda=on_cuda)
     return estimate(shape).peak
 
 
-def run_length(model, seq: int, a: argparse.Namespace, device) -> dict:
+def deepspeed_engine(model, device):
+    """The draft in a DeepSpeed engine as a one-GPU stage builds it: the trainer's default config
+    through longspec.training.dsconfig (ZeRO-1 without offload: fused torch AdamW, fp32 master
+    weights and moments on the GPU), torch.distributed bound to this device through longspec.model.comm."""
+    import socket
+
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
+    import deepspeed
+    import yaml
+
+    from longspec.model import comm
+    from longspec.training import dsconfig
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "LOCAL_RANK": "0",
+                 "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
+        os.environ.setdefault(k, v)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    comm.init(backend)
+    deepspeed.init_distributed(dist_backend=backend)
+    conf = yaml.safe_load((ROOT / "longspec" / "conf" / "config.yaml").read_text())
+    conf.update(per_gpu_train_batch_size=1, gradient_accumulation_steps=1, global_batch_size=None,
+                precision="bf16" if device.type == "cuda" else "fp32", sequence_parallel_size=1,
+                ds_cfg={"zero_optimization": {"stage": 1}})
+    ds_conf, _ = dsconfig.build_ds_config(conf, world_size=1, total_steps=1000, warmup_steps=10,
+                                          on_cpu=device.type != "cuda")
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.trainable_parameters(),
+                                           config=ds_conf)
+    return engine, ds_conf
+
+
+def run_length(model, seq: int, a: argparse.Namespace, device, engine=None) -> dict:
     import torch
 
     from longspec.training.positions import anchor_offset_position_ids, sample_cross_lag
 
     vocab = model.target.config.vocab_size
     gen = torch.Generator().manual_seed(seq)
-    opt = torch.optim.AdamW(model.trainable_parameters(), lr=1e-5)
+    opt = None if engine is not None else torch.optim.AdamW(model.trainable_parameters(), lr=1e-5)
     on_cuda = device.type == "cuda"
     if on_cuda:
         torch.cuda.empty_cache()
@@ -120,10 +166,15 @@ def run_length(model, seq: int, a: argparse.Namespace, device) -> dict:
         if on_cuda:
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        out = model(ids.to(device), ids.to(device), pos.to(device), cross_lag=lag)
-        out["loss"].backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if engine is not None:
+            out = engine(ids.to(device), ids.to(device), pos.to(device), cross_lag=lag)
+            engine.backward(out["loss"])
+            engine.step()
+        else:
+            out = model(ids.to(device), ids.to(device), pos.to(device), cross_lag=lag)
+            out["loss"].backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         if on_cuda:
             torch.cuda.synchronize(device)
         if i >= a.warmup:
@@ -132,12 +183,19 @@ def run_length(model, seq: int, a: argparse.Namespace, device) -> dict:
     if not times:
         raise TimeoutError(f"no timed step within {a.length_timeout:.0f} s")
     step_s = sum(times) / len(times)
-    peak = torch.cuda.max_memory_allocated(device) if on_cuda else None
+    memory = {}
+    if on_cuda:
+        free, total = torch.cuda.mem_get_info(device)
+        outside = max(0, total - free - torch.cuda.memory_reserved(device))   # context, cuBLAS, NCCL
+        memory = {"peak_bytes": torch.cuda.max_memory_allocated(device),
+                  "peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
+                  "outside_allocator_bytes": outside,
+                  "device_peak_bytes": torch.cuda.max_memory_reserved(device) + outside}
     flops = step_flops(a.dims, seq, a.window)
     return {"seq_len": seq, "step_s": round(step_s, 4), "tokens_per_s": round(seq / step_s, 1),
             "timed_steps": len(times), "step_flops": flops, "tflops_per_s": round(flops / step_s / 1e12, 2),
             "us_per_token": round(step_s / seq * 1e6, 2),
-            "peak_bytes": peak, "loss": round(losses[-1], 4), "finite": all(map(lambda x: x == x, losses))}
+            **memory, "loss": round(losses[-1], 4), "finite": all(map(lambda x: x == x, losses))}
 
 
 def main(argv=None) -> int:
@@ -169,14 +227,17 @@ def main(argv=None) -> int:
     model = build_glide(target, sliding_window=a.window, dtype=dtype).to(device)
     built_s = time.perf_counter() - t0
     flash = chosen["attention"] != "sdpa"            # a fused rung: no mask kept for backward
+    engine, ds_conf = deepspeed_engine(model, device) if a.optimizer == "deepspeed" else (None, None)
+    precision = "fp32" if a.dry_run else "bf16"
+    zero = 1 if engine is not None else 0
     results, stop = [], None
     for seq in seqs:
-        est = estimate_bytes(dims, seq, a.window, flash, device.type == "cuda")
+        est = estimate_bytes(dims, seq, a.window, flash, device.type == "cuda", precision, zero)
         if stop:
             r = {"seq_len": seq, "skipped": stop}
         else:
             try:
-                r = run_length(model, seq, a, device)
+                r = run_length(model, seq, a, device, engine)
             except torch.OutOfMemoryError as e:            # a figure too: the estimate said it fits?
                 r = {"seq_len": seq, "error": f"out of memory: {str(e).splitlines()[0]}"}
                 stop = f"{seq} tokens ran out of memory"
@@ -185,14 +246,17 @@ def main(argv=None) -> int:
                 r = {"seq_len": seq, "error": f"timeout: {e}"}
                 stop = f"{seq} tokens passed --length-timeout"
         r["estimate_bytes"] = int(est)
-        if r.get("peak_bytes"):
-            r["measured_over_estimate"] = round(r["peak_bytes"] / est, 3)
+        if r.get("device_peak_bytes"):
+            r["measured_over_estimate"] = round(r["device_peak_bytes"] / est, 3)
+            r["allocated_over_estimate"] = round(r["peak_bytes"] / est, 3)
         results.append(r)
         print(json.dumps(r), flush=True)
     report = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dry_run": a.dry_run, "torch": torch.__version__, "kernels_mode": a.kernels, "kernels": chosen,
-        "attention_top_rung": a.attention, "target_attention": model.target.config._attn_implementation,
+        "attention_top_rung": a.attention, "optimizer": a.optimizer,
+        "optimizer_class": type(engine.optimizer).__name__ if engine is not None else "torch.optim.AdamW",
+        "zero_optimization": (ds_conf or {}).get("zero_optimization"), "target_attention": model.target.config._attn_implementation,
         "attention_calls": dict(attention.CHOSEN),
         "target_shape": dims, "target_params": sum(p.numel() for p in model.target.parameters()),
         "draft_trainable_params": sum(p.numel() for p in model.trainable_parameters()),

@@ -16,10 +16,12 @@
 #   tests    the gpu-marked tests (kernels against the reference path, fused dispatch, tree decode);
 #            a missing flash-attn or Liger skips with its reason
 #   demo     `longspec demo --gpus 1`: the tiny preset's three stages through DeepSpeed and NCCL,
-#            then eval of each (tau, speed-up)            (tests and demo run side by side)
-#   step     bench/gpu_check.py: one GLIDE step on a Qwen2.5-7B-shaped target at 8k..64k tokens,
-#            tokens/s, TFLOP/s, peak memory against the preflight's estimate, per kernel rung
-#   sp       bench/bench_sp.py: SP 1 on one rank against SP 2 on two ranks sharing the GPU
+#            then eval of each (tau, speed-up)
+#   sp       bench/bench_sp.py: SP 1 on one rank against SP 2 on two ranks sharing the GPU (memory)
+#            (doctor then tests, sp and demo run side by side)
+#   step     bench/gpu_check.py: one GLIDE step through the trainer's DeepSpeed engine on a
+#            Qwen2.5-7B-shaped target at 8k..64k tokens: tokens/s, TFLOP/s, peak memory (allocated,
+#            reserved, device) against the preflight's estimate; alone on the GPU, last
 set -uo pipefail
 
 DRY=0
@@ -35,6 +37,10 @@ L="${LOGS:-$WORK}"    # each part's log, written as it runs (a run cut short kee
 cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 [[ $DRY == 1 ]] && export DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES=""
+# DeepSpeed's JIT ops go where longspec's launches put them (one folder per environment), not
+# into torch's shared folder, where another environment's build (or a killed one's lock) waits.
+TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$("$PY" -c 'from longspec_cli.launch.execute import ops_build_dir; print(ops_build_dir())' 2>/dev/null)}"
+[[ -n "$TORCH_EXTENSIONS_DIR" ]] && export TORCH_EXTENSIONS_DIR
 t_start=$(date +%s)
 say() { echo "[gpu_check $(( $(date +%s) - t_start ))s] $*"; }
 
@@ -72,7 +78,7 @@ if [[ -n "$MISSING" ]]; then
 fi
 
 if [[ -z "$MISSING" ]]; then
-  # ---- doctor, the tests, then SP 1 vs 2 (its memory, not its time), beside the demo
+  # ---- three lanes side by side: doctor then the tests; SP 1 vs 2 (its memory, not its time); the demo
   (
     part doctor 60 "$PY" -m longspec.doctor --json --dir "$WORK"
     if [[ $DRY == 1 ]]; then
@@ -82,16 +88,18 @@ if [[ -z "$MISSING" ]]; then
           tests/trainer/test_kernels.py tests/trainer/test_attention_ladder.py tests/trainer/test_reference_parity.py \
           tests/trainer/test_tree_decode.py tests/trainer/test_fused_dispatch.py
     fi
-    # ---- sequence parallel: SP 1 vs SP 2
+  ) &
+  tests_pid=$!
+  (
     if [[ $DRY == 1 ]]; then
       part sp 120 "$PY" bench/bench_sp.py --device cpu --dims small --layers 1 --seq 64 --steps 1 --warmup 0 \
           --out "$WORK/sp.json"
-    else
-      part sp 90 "$PY" bench/bench_sp.py --device cuda --dims qwen7b --layers 4 --seq 32768 --steps 2 --timeout 40 \
-          --out "$WORK/sp.json"
+    else   # each launch builds the target and compiles its kernels: about a minute
+      part sp "${SP_TIMEOUT:-240}" "$PY" bench/bench_sp.py --device cuda --dims qwen7b --layers 4 --seq 32768 \
+          --steps 1 --warmup 1 --timeout 110 --out "$WORK/sp.json"
     fi
   ) &
-  tests_pid=$!
+  sp_pid=$!
   DEMO_ARGS=(--gpus 1); [[ $DRY == 1 ]] && DEMO_ARGS=(--max-steps 2 --no-eval)
   part demo 330 "$PY" -m longspec_cli demo "$WORK/demo" "${DEMO_ARGS[@]}"
   [[ -d "$WORK/demo" ]] && "$PY" -m longspec_cli status "$WORK/demo" --json >"$WORK/status.json" 2>>"$L/demo.log"
@@ -108,8 +116,8 @@ for st in status["stages"]:
     out[st["name"]]["start_lines"] = [l for l in lines if "kernels (" in l or "ZeRO-" in l][:2]
 print(json.dumps(out))
 PYEOF
-  wait "$tests_pid"
-  # ---- the GLIDE step, last and alone on the GPU (timed)
+  wait "$tests_pid" "$sp_pid"
+  # ---- the GLIDE step, last and alone on the GPU (timed; the device's memory is its alone)
   if [[ $DRY == 1 ]]; then
     part step 170 "$PY" bench/gpu_check.py --dry-run --out "$WORK/step.json"
   else
