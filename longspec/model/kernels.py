@@ -223,25 +223,49 @@ def linear_cross_entropy(
     return _ChunkedLinearCE.apply(hidden, weight, labels, valid, n_valid, chunk, need_gh, need_gw)
 
 
+def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """a @ b in fp32 from low-precision operands, with no fp32 copy of either (CUDA's
+    ``torch.mm(..., out_dtype=torch.float32)``: fp32 accumulation and output); None where that
+    does not run (the CPU, an older torch)."""
+    global _MM_OUT_DTYPE
+    if _MM_OUT_DTYPE is False or not a.is_cuda:
+        return None
+    try:
+        out = torch.mm(a, b, out_dtype=torch.float32)
+    except (TypeError, RuntimeError, NotImplementedError):
+        _MM_OUT_DTYPE = False
+        return None
+    _MM_OUT_DTYPE = True
+    return out
+
+
+_MM_OUT_DTYPE: bool | None = None      # torch.mm's out_dtype: None until first tried
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     """Loss and both gradients computed chunk by chunk in forward (as Liger does).
 
     Backward then only scales the stored gradients, so it never needs ``weight`` again; this is
     what lets the caller release a ZeRO-3 gathered lm_head right after the forward.
+
+    The logits are fp32 (the softmax and its gradient too). A low-precision lm_head is read in its
+    own dtype where torch can multiply it into fp32 (CUDA): no fp32 copy of the (V, H) weight,
+    2.2 GB for a 7B target's. Elsewhere it is upcast once per call.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, valid, n_valid, chunk, need_gh, need_gw):
-        w = weight.float()                                         # (V, H) fp32
+        lowp = weight.dtype in (torch.bfloat16, torch.float16)
+        w = weight if lowp and _mm_fp32_out(weight[:1], weight[:1].T) is not None else weight.float()  # probe once
         rows = valid.nonzero().squeeze(1)                          # only labelled rows cost anything
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.zeros_like(hidden) if need_gh else None     # (N, H)
-        grad_w = torch.zeros_like(w) if need_gw else None          # (V, H) fp32
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_gw else None
         for s in range(0, rows.numel(), chunk):
             idx = rows[s : s + chunk]
-            h = hidden.index_select(0, idx).float()                # (C, H)
+            h = hidden.index_select(0, idx).to(w.dtype)            # (C, H)
             y = labels.index_select(0, idx)                        # (C,)
-            logits = h @ w.T                                       # (C, V): the one big buffer
+            logits = _mm_fp32_out(h, w.T) if w.dtype != torch.float32 else h @ w.T   # (C, V) fp32
             target = logits.gather(1, y[:, None])                  # (C, 1)
             peak = logits.amax(dim=-1, keepdim=True)               # (C, 1)
             probs = logits.sub_(peak).exp_()                       # in place, no (C, V) temporaries
@@ -253,9 +277,10 @@ class _ChunkedLinearCE(torch.autograd.Function):
             dlogits = probs.mul_(1.0 / (total * n_valid))          # softmax / n_valid
             dlogits[torch.arange(idx.numel(), device=idx.device), y] -= 1.0 / n_valid
             if need_gh:
-                grad_h.index_copy_(0, idx, (dlogits @ w).to(hidden.dtype))
+                gh = dlogits @ w if w.dtype == torch.float32 else _mm_fp32_out(dlogits.to(w.dtype), w)
+                grad_h.index_copy_(0, idx, gh.to(hidden.dtype))
             if need_gw:
-                grad_w.addmm_(dlogits.T, h)
+                grad_w.addmm_(dlogits.T, h.float())
             del logits, probs, dlogits     # free this chunk's (C, V) before the next one is allocated
         ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))
         ctx.flags = (need_gh, need_gw, weight.dtype)

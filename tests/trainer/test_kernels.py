@@ -194,6 +194,27 @@ def test_linear_ce_bf16_inputs_are_computed_in_fp32():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.gpu
+def test_chunked_linear_ce_reads_a_bf16_lm_head_without_an_fp32_copy():
+    """On CUDA the chunked loss (a GPU without Liger) multiplies the bf16 lm_head into fp32 logits:
+    the loss of the same bf16 values in fp32, and no (V, H) fp32 copy of the weight in its peak."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    hidden, weight, labels = (x.cuda() for x in ce_inputs(N=256, H=512, V=32000, ignore_frac=0.1,
+                                                           dtype=torch.bfloat16))
+    hidden.requires_grad_(True)
+    want = naive_ce(hidden.detach(), weight, labels)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    got = kernels.linear_cross_entropy(hidden, weight, labels, impl="chunked", chunk_size=64)
+    got.backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert extra < weight.numel() * 4, f"{extra:,} bytes above the inputs: an fp32 copy of the weight"
+
+
 def test_linear_ce_frozen_weight_gets_no_grad():
     hidden, weight, labels = ce_inputs()
     hidden.requires_grad_(True)
