@@ -180,13 +180,13 @@ class GlideProposer:
         if self.end > n - 1:
             raise RuntimeError(f"draft state covers {self.end} tokens but only {n} are verified")
         new = seq[:, self.end:]                 # (1, m) tokens the draft has not seen yet
-        out: list[int] = []
+        out: list[torch.Tensor] = []
         for _ in range(gamma):
             h = self._step(new, tk, tv)         # (1, 1, H)
-            tok = int(self._logits(h).argmax(-1))
+            tok = self._logits(h).argmax(-1)    # () on the device: the next step reads it there
             out.append(tok)
-            new = seq.new_tensor([[tok]])
-        return out
+            new = tok.view(1, 1).to(seq.dtype)
+        return torch.stack(out).tolist()        # one host sync per proposal, not one per token
 
     # -- internals
 
