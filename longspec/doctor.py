@@ -45,9 +45,17 @@ def torch_checks(torch) -> list[dict]:
         out.append(check("gpus", "info", f"{why}: stages run on the CPU (DeepSpeed's CPU accelerator, gloo)",
                          "for GPUs: a CUDA build of torch and a visible device (nvidia-smi, CUDA_VISIBLE_DEVICES)"))
         return out
+    from longspec_cli.core.gpus import MIB, detect_gpus
+
+    # free memory from nvidia-smi: torch would open a CUDA context on every GPU to say it
+    listed = detect_gpus()
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
-        free, total = torch.cuda.mem_get_info(i)
+        smi = listed[i] if len(listed) == torch.cuda.device_count() else None
+        if smi is not None and smi.free_mib is not None:
+            free, total = smi.free_mib * MIB, smi.memory_mib * MIB
+        else:
+            free, total = torch.cuda.mem_get_info(i)
         low = free < 0.9 * total
         out.append(check(f"gpu {i}", "warn" if low else "ok",
                          f"{p.name}, sm_{p.major}{p.minor}, {total / GIB:.1f} GiB, {free / GIB:.1f} GiB free",

@@ -25,6 +25,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from longspec_cli.core import traincmd
+from longspec_cli.core.gpus import Gpu, detect_gpus  # noqa: F401  (the launch's GPUs)
 from longspec_cli.core.traincmd import TRAINER_MODULE
 from longspec_cli.errors import RefusedError, UsageError
 
@@ -40,13 +41,6 @@ RESERVED_KEYS = {"output_dir": "the run folder comes from longspec.yaml (stages[
 def encode_world_info(world: dict[str, list[int]]) -> str:
     """DeepSpeed's --world_info value: urlsafe base64 of the JSON {host: [slots]} mapping."""
     return base64.urlsafe_b64encode(json.dumps(world).encode("utf-8")).decode("utf-8")
-
-
-@dataclass(frozen=True)
-class Gpu:
-    index: str
-    name: str
-    memory_mib: int
 
 
 @dataclass(frozen=True)
@@ -104,42 +98,6 @@ class LaunchCommand:
         """The command as one line a user can paste into a POSIX shell."""
         prefix = ["env", *(f"{k}={v}" for k, v in self.env.items())] if self.env else []
         return shlex.join(prefix + self.argv)
-
-
-# ------------------------------------------------------------------------------------ GPUs
-
-def detect_gpus(env: dict[str, str] | None = None, timeout: float = 10.0) -> list[Gpu]:
-    """The GPUs this process may use: nvidia-smi's list, filtered by CUDA_VISIBLE_DEVICES.
-
-    An empty CUDA_VISIBLE_DEVICES (or -1), no nvidia-smi, or a failing nvidia-smi mean no GPU.
-    """
-    env = os.environ if env is None else env
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and visible.strip() in ("", "-1"):
-        return []
-    smi = shutil.which("nvidia-smi", path=env.get("PATH"))
-    if smi is None:
-        return []
-    try:
-        out = subprocess.run(
-            [smi, "--query-gpu=index,uuid,name,memory.total", "--format=csv,noheader,nounits"],
-            capture_output=True, text=True, timeout=timeout, check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    rows = []
-    for line in out.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) < 4:
-            continue
-        try:
-            rows.append((parts[0], parts[1], parts[2], int(float(parts[3]))))
-        except ValueError:
-            continue
-    if visible is not None:
-        wanted = [v.strip() for v in visible.split(",") if v.strip()]
-        rows = [r for w in wanted for r in rows if w in (r[0], r[1])]
-    return [Gpu(index=r[0], name=r[2], memory_mib=r[3]) for r in rows]
 
 
 # ------------------------------------------------------------------------------- hostfile

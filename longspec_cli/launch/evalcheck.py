@@ -3,28 +3,17 @@ device it decodes on and what that device has free; the arithmetic is longspec_c
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 from longspec_cli.core import evalmemory as EM
+from longspec_cli.core.gpus import MIB, detect_gpus
 from longspec_cli.core.memory import PRECISION_BYTES, ModelSize
 
 
-def gpu_free(timeout: float = 10.0) -> int | None:
-    """Free memory of the first visible GPU (the one `eval` decodes on) by nvidia-smi; None when unknown."""
-    smi = shutil.which("nvidia-smi")
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if smi is None or (visible is not None and visible.strip() in ("", "-1")):
-        return None
-    first = visible.split(",")[0].strip() if visible else "0"
-    try:
-        out = subprocess.run([smi, f"--id={first}", "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=timeout, check=True).stdout
-        return int(float(out.split()[0])) * 1024 ** 2
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
-        return None
+def gpu_free() -> int | None:
+    """Free memory of the first visible GPU (the one `eval` decodes on); None when unknown."""
+    gpus = detect_gpus()
+    return gpus[0].free_mib * MIB if gpus and gpus[0].free_mib is not None else None
 
 
 def run_refusal(run_dir: Path, lengths: str | None, max_new_tokens: int | None, device: str,
@@ -34,7 +23,6 @@ def run_refusal(run_dir: Path, lengths: str | None, max_new_tokens: int | None, 
     (--bench without --lengths: its prompts set them, evaluate checks), the device eval decodes on
     ('auto': a GPU when nvidia-smi lists one). None when it fits or cannot be told here."""
     from longspec_cli.core import yamlio
-    from longspec_cli.launch.argv import detect_gpus
 
     try:
         conf = yamlio.to_plain(yamlio.load_mapping(Path(run_dir) / "training_config.yaml").data)

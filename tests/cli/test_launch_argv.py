@@ -28,7 +28,7 @@ def fake_smi(tmp_path: Path, gpus: int, mib: int = 81559) -> dict[str, str]:
     """A PATH whose nvidia-smi prints `gpus` rows in the format detect_gpus() asks for."""
     d = tmp_path / "bin"
     d.mkdir(exist_ok=True)
-    rows = "".join(f"{i}, GPU-{i:04d}, NVIDIA H100 80GB HBM3, {mib}\\n" for i in range(gpus))
+    rows = "".join(f"{i}, GPU-{i:04d}, NVIDIA H100 80GB HBM3, {mib}, {mib - 512 * i}\\n" for i in range(gpus))
     smi = d / "nvidia-smi"
     smi.write_text(f"#!/bin/sh\nprintf '{rows}'\n")
     smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
@@ -56,6 +56,7 @@ def test_detect_gpus_reads_nvidia_smi_and_honours_cuda_visible_devices(tmp_path)
     env = fake_smi(tmp_path, 4)
     assert [g.index for g in A.detect_gpus(env)] == ["0", "1", "2", "3"]
     assert A.detect_gpus(env)[0].memory_mib == 81559
+    assert [g.free_mib for g in A.detect_gpus({**env, "CUDA_VISIBLE_DEVICES": "3,1"})] == [81559 - 1536, 81559 - 512]
     assert [g.index for g in A.detect_gpus({**env, "CUDA_VISIBLE_DEVICES": "3,1"})] == ["3", "1"]
     assert [g.index for g in A.detect_gpus({**env, "CUDA_VISIBLE_DEVICES": "GPU-0002"})] == ["2"]
     assert A.detect_gpus({**env, "CUDA_VISIBLE_DEVICES": ""}) == []

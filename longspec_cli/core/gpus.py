@@ -1,0 +1,56 @@
+"""The GPUs this process may use, as nvidia-smi lists them: one subprocess, no CUDA context.
+
+Read by `run` (how many ranks a node takes), `eval` (the free memory of the GPU it decodes on) and
+`longspec doctor` (each GPU's free memory; torch would open a context on every GPU to say it).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+MIB = 1024 ** 2
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: str
+    name: str
+    memory_mib: int
+    free_mib: int | None = None       # None: nvidia-smi did not say
+
+
+def detect_gpus(env: dict[str, str] | None = None, timeout: float = 10.0) -> list[Gpu]:
+    """nvidia-smi's GPUs, filtered and ordered by CUDA_VISIBLE_DEVICES (indices or UUIDs).
+
+    An empty CUDA_VISIBLE_DEVICES (or -1), no nvidia-smi, or a failing nvidia-smi mean no GPU.
+    """
+    env = os.environ if env is None else env
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return []
+    smi = shutil.which("nvidia-smi", path=env.get("PATH"))
+    if smi is None:
+        return []
+    try:
+        out = subprocess.run(
+            [smi, "--query-gpu=index,uuid,name,memory.total,memory.free", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=timeout, check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    rows = []
+    for line in out.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < 4:
+            continue
+        try:
+            free = int(float(parts[4])) if len(parts) > 4 else None
+            rows.append((parts[0], parts[1], parts[2], int(float(parts[3])), free))
+        except ValueError:
+            continue
+    if visible is not None:
+        wanted = [v.strip() for v in visible.split(",") if v.strip()]
+        rows = [r for w in wanted for r in rows if w in (r[0], r[1])]
+    return [Gpu(index=r[0], name=r[2], memory_mib=r[3], free_mib=r[4]) for r in rows]
