@@ -455,8 +455,8 @@ def test_a_killed_server_stops_the_run_within_the_bound_and_a_rerun_finishes_it(
     argv = cmd(work, "cot", out, "--shard-rows", "2", "--server", srv.url, "--concurrency", "2", "--server-wait", "5")
     proc = subprocess.Popen(argv, cwd=work, env=env(work), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for_shard(out, proc)
+    killed = time.monotonic()             # before the signal: the run's clock starts at its first failed request
     srv.kill()
-    killed = time.monotonic()
     stdout, stderr = proc.communicate(timeout=120)
     took = time.monotonic() - killed
     print(f"\nkill -> stop: {took:.1f} s (--server-wait 5)")
