@@ -8,14 +8,18 @@ estimate for 8B and 32B targets past 32k.
 Measured part: one GLIDE training step (the frozen target's forward, the draft's forward and
 backward, both losses; no optimizer) on a random-weight Qwen2-shaped target, launched with
 torchrun on 1 rank (SP 1, the whole sequence) and on 2 ranks (SP 2, half each, DeepSpeed's
-Ulysses hook, longspec.model.seqpar). Peak memory per rank: on CUDA torch.cuda.max_memory_allocated,
-on the CPU the peak RSS (getrusage) above the RSS before the first step, both the largest over
-the ranks. Step time: the median of --steps timed steps. On one GPU both SP 2 ranks share it
-(gloo, whose all-to-all copies through host memory): the memory figure holds, the time does not.
-On the CPU the draft's attention takes the reference path (chunked SDPA with a boolean mask of
-g x T x keys per call); in training, when a sequence spans several chunks (as here), each is
-checkpointed, so the masks (floats inside SDPA) are no longer kept for backward. SP 2 still does not lower the CPU peak (README "Past 32k": the
-same growth per token as SP 1, cause not found); with flash-attn (CUDA) there is no mask.
+Ulysses hook, longspec.model.seqpar); one launch per SP runs every length in turn. Peak memory
+per rank, each length on its own: on CUDA torch.cuda.max_memory_allocated, on the CPU the peak
+RSS (VmHWM, reset through /proc/self/clear_refs before each length) above the RSS before its
+first step, both the largest over the ranks. On the CPU the ranks run with glibc's mmap threshold
+at 64 KiB (MALLOC_MMAP_THRESHOLD_): a freed tensor leaves the RSS at once, so the peak RSS follows
+the live tensors (with the default, adaptive threshold it read about twice as much, and the same
+growth per token at SP 1 and SP 2). `per_token`: the growth of that peak per added token between
+consecutive lengths, the sequence's share of a rank; SP 2 should hold half of it. Step time: the
+median of --steps timed steps. On one GPU both SP 2 ranks share it (gloo, whose all-to-all copies
+through host memory): the memory figure holds, the time does not. On the CPU the draft's attention
+takes the reference path (chunked SDPA with a boolean mask; every chunk's scores within
+attention.SCORE_BUDGET, checkpointed in training).
 
 Estimated part: longspec_cli.core.memory.estimate (bf16, ZeRO-3 + optimizer offload, flash-attn,
 micro batch 1) for Llama-3.1-8B and QwQ-32B at 64k and 128k tokens on 8 GPUs of 141 and 80 GiB:
@@ -24,9 +28,9 @@ the peak per GPU at SP 1, 2, 4, 8 and the smallest SP that fits 95% of the GPU.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
-import resource
 import socket
 import statistics
 import subprocess
@@ -80,6 +84,17 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _reset_peak_rss() -> None:
+    """Linux: the peak RSS (VmHWM) back to the RSS now, so each length's peak is its own."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
 def worker(a: argparse.Namespace) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if a.device == "cuda" else "cpu")
     import deepspeed
@@ -119,6 +134,8 @@ def worker(a: argparse.Namespace) -> None:
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         else:
+            gc.collect()
+            _reset_peak_rss()
             base = _rss()
         for i in range(a.warmup + a.steps):
             t0 = time.perf_counter()
@@ -130,9 +147,9 @@ def worker(a: argparse.Namespace) -> None:
                 torch.cuda.synchronize()
             if i >= a.warmup:
                 times.append(time.perf_counter() - t0)
-        peak = (torch.cuda.max_memory_allocated() if a.device == "cuda"
-                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) - base
         loss = out["loss"].detach().float().clone()
+        del out
+        peak = (torch.cuda.max_memory_allocated() if a.device == "cuda" else _peak_rss()) - base
         dist.all_reduce(loss)
         row = torch.tensor([peak, statistics.median(times)], dtype=torch.float64)
         rows = [torch.zeros_like(row) for _ in range(world)]
@@ -145,25 +162,35 @@ def worker(a: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def launch(a: argparse.Namespace, ranks: int, seq: int, out: Path) -> dict:
-    """One torchrun of `ranks` ranks at one length (the peak RSS is a process's all-time peak)."""
+def launch(a: argparse.Namespace, ranks: int, out: Path) -> list[dict]:
+    """One torchrun of `ranks` ranks over every length: a row per length (or one error row)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
             str(port), str(Path(__file__).resolve()), "--worker", "--out", str(out), "--dims", a.dims,
             "--device", a.device, "--steps", str(a.steps), "--warmup", str(a.warmup), "--window", str(a.window),
-            "--seq", str(seq)] + (["--layers", str(a.layers)] if a.layers else [])
+            "--seq", *map(str, a.seq)] + (["--layers", str(a.layers)] if a.layers else [])
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), BENCH_SP_OUT=str(out),
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                TOKENIZERS_PARALLELISM="false")
+    if a.device == "cpu":
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"     # freed tensors leave the RSS: its peak follows them
     try:
         proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=a.timeout)
     except subprocess.TimeoutExpired:
-        return {"seq_len": seq, "sp": ranks, "error": f"over {a.timeout} s"}
+        return [{"seq_len": a.seq[0], "sp": ranks, "error": f"over {a.timeout} s"}]
     if proc.returncode != 0:
-        return {"seq_len": seq, "sp": ranks, "error": f"rc {proc.returncode}: {rank_failure(proc.stderr or proc.stdout)}"}
-    return json.loads(out.read_text())[0]
+        return [{"seq_len": a.seq[0], "sp": ranks, "error": f"rc {proc.returncode}: {rank_failure(proc.stderr or proc.stdout)}"}]
+    return json.loads(out.read_text())
+
+
+def per_token(runs: list[dict]) -> list[dict]:
+    """The peak's growth per added token between consecutive lengths of one SP."""
+    runs = sorted((r for r in runs if "error" not in r), key=lambda r: r["seq_len"])
+    return [{"from": x["seq_len"], "to": y["seq_len"], "bytes_per_token":
+             round((y["peak_bytes_per_rank"] - x["peak_bytes_per_rank"]) / (y["seq_len"] - x["seq_len"]))}
+            for x, y in zip(runs, runs[1:])]
 
 
 # ----------------------------------------------------------------------------- estimates
@@ -202,22 +229,30 @@ def main(argv=None) -> int:
               + ", ".join(f"SP{sp} {g} GiB" for sp, g in r["peak_gib"].items())
               + f" -> smallest SP that fits: {r['smallest_sp_that_fits']}")
     if not a.estimate_only:
-        report.update(device=a.device, dims=a.dims, layers=a.layers, window=a.window, runs=[], ratios=[])
+        report.update(device=a.device, dims=a.dims, layers=a.layers, window=a.window, runs=[], ratios=[],
+                      per_token={})
+        by_sp = {}
+        for sp in (1, 2):
+            t0 = time.time()
+            by_sp[sp] = launch(a, sp, a.out.with_suffix(f".sp{sp}.json"))
+            report["runs"] += by_sp[sp]
+            for r in by_sp[sp]:
+                print(f"SP {sp}, {r['seq_len']} tokens: {r}", flush=True)
+            print(f"SP {sp}: {time.time() - t0:.0f} s wall", flush=True)
         for T in a.seq:
-            pair = []
-            for sp in (1, 2):
-                t0 = time.time()
-                pair.append(launch(a, sp, T, a.out.with_suffix(f".sp{sp}.json")))
-                report["runs"].append(pair[-1])
-                print(f"SP {sp}, {T} tokens: {pair[-1]} ({time.time() - t0:.0f} s wall)", flush=True)
-            x, y = pair
-            if "error" not in x and "error" not in y:
+            x, y = ({r["seq_len"]: r for r in by_sp[sp] if "error" not in r}.get(T) for sp in (1, 2))
+            if x and y:
                 report["ratios"].append({
                     "seq_len": T, "peak_per_rank_sp2_over_sp1": round(y["peak_bytes_per_rank"] / x["peak_bytes_per_rank"], 3),
                     "step_time_sp2_over_sp1": round(y["step_s"] / x["step_s"], 3), "loss_diff": abs(x["loss"] - y["loss"])})
-            for r in report["ratios"][-1:]:
-                print(f"{r['seq_len']} tokens: peak per rank SP2/SP1 {r['peak_per_rank_sp2_over_sp1']}, "
+                r = report["ratios"][-1]
+                print(f"{T} tokens: peak per rank SP2/SP1 {r['peak_per_rank_sp2_over_sp1']}, "
                       f"step time SP2/SP1 {r['step_time_sp2_over_sp1']}, |loss diff| {r['loss_diff']:.2e}")
+        report["per_token"] = {sp: per_token(by_sp[sp]) for sp in (1, 2)}
+        for one, two in zip(*report["per_token"].values()):
+            print(f"{one['from']} -> {one['to']} tokens: peak per rank grows {one['bytes_per_token'] / 1024:.1f} KiB "
+                  f"per token at SP 1, {two['bytes_per_token'] / 1024:.1f} KiB at SP 2 "
+                  f"({two['bytes_per_token'] / max(1, one['bytes_per_token']):.2f})")
     a.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {a.out}")
     return 0 if a.estimate_only or len(report["ratios"]) == len(a.seq) else 1

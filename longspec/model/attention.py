@@ -35,10 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from longspec.model import kernels
-
-# Score elements (B * nh * Tq * Sk) per SDPA call on the reference path: bounds memory at long T.
-# On CUDA a bool mask of 2^28 elements is 256 MB; on the CPU SDPA keeps fp32 weights, so less.
-SCORE_BUDGET = {"cpu": 1 << 24, "cuda": 1 << 28}
+from longspec_cli.core.memory import SCORE_BUDGET  # per SDPA call on the reference path (the estimate's)
 FLEX_BLOCK = 128                 # FlexAttention's default sparse block (queries and keys)
 FLEX_LENGTH_STEP = 1024          # compiled FlexAttention sees lengths in these steps (one kernel each)
 RUNGS = kernels.ATTENTION_RUNGS
@@ -305,14 +302,25 @@ def visible_mask(t_idx: torch.Tensor, s_idx: torch.Tensor, window: int | None, l
     return mask
 
 
-def chunk_plan(rows: int, B: int, nh: int, keys_per_query: int, device, q_chunk: int | None = None) -> list[int]:
-    """Query-chunk sizes covering ``rows`` rows: as few chunks as the score budget allows, all of
-    one size but the last (at most smaller by the number of chunks)."""
+def chunk_plan(rows: int, B: int, nh: int, keys: int, device, q_chunk: int | None = None,
+               window: int | None = None) -> list[int]:
+    """Query-chunk sizes covering ``rows`` rows against ``keys`` keys: as few chunks as the score
+    budget allows, all of one size but the last (at most smaller by the number of chunks).
+
+    A chunk of ``size`` queries reads ``keys`` keys, or with a ``window`` the ``size + window`` keys
+    its band spans (at most ``keys``): the size is the largest whose scores, B x nh x size x span
+    (twice: the mask and the weights), fit the budget. A windowed chunk sized by its window alone
+    would read size + window keys, not window + 1, and past a few thousand queries hold scores
+    that grow with the square of the sequence."""
     if rows <= 0:
         return []
     if q_chunk is None:
-        budget = SCORE_BUDGET["cuda" if torch.device(device).type == "cuda" else "cpu"]
-        q_chunk = budget // max(1, B * nh * 2 * keys_per_query)
+        cap = SCORE_BUDGET["cuda" if torch.device(device).type == "cuda" else "cpu"] // max(1, 2 * B * nh)
+        keys = max(1, keys)
+        q_chunk = cap // keys                    # every chunk reads all the keys
+        if window is not None and q_chunk + window < keys:
+            # the band: the largest size with size x (size + window) <= cap
+            q_chunk = int((math.isqrt(window * window + 4 * cap) - window) // 2)
     q_chunk = max(16, int(q_chunk))
     n = -(-rows // q_chunk)
     size = -(-rows // n)
@@ -330,8 +338,7 @@ def _sdpa_attention(q, k, v, causal, window, lag, key_padding_mask, scale, q_chu
         return out.reshape(B, nh, T, hd)
 
     first = min(lag, T)              # queries before `lag` see nothing: output 0
-    keys_per_query = S if window is None else min(S, window + 1)
-    sizes = chunk_plan(T - first, B, nh, keys_per_query, q.device, q_chunk)
+    sizes = chunk_plan(T - first, B, nh, S, q.device, q_chunk, window)
     # Split once (one cat in backward), not a slice of the whole q per chunk (a q-sized zero
     # tensor per chunk in backward).
     parts = q.split([first] + sizes, dim=2) if first else q.split(sizes, dim=2)
@@ -384,8 +391,7 @@ def attention_rows(q, k, v, start: int, *, window: int | None = None, lag: int =
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
     S, scale = k.shape[2], 1.0 / math.sqrt(hd)
-    keys = S if window is None else min(S, window + 1)
-    sizes = chunk_plan(Tq, B, nh, keys, q.device)
+    sizes = chunk_plan(Tq, B, nh, S, q.device, window=window)
     CHOSEN["sdpa"] += 1
     pieces, t0 = [], start
     for qc in q.split(sizes, dim=2):

@@ -21,8 +21,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-# Rows of logits per chunk on the reference cross-entropy path (see bench/bench_linear_ce.py).
-DEFAULT_CE_CHUNK = 1024
+from longspec_cli.core.memory import DEFAULT_CE_CHUNK  # rows of logits per chunk (bench/bench_linear_ce.py)
+
 MODES = ("auto", "fused", "reference")
 _mode = {"value": "auto", "top_rung": "flash_attn"}
 ATTENTION_RUNGS = ("flash_attn", "torch_fused", "sdpa")    # the ladder, top first (model/attention.py)

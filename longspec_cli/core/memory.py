@@ -6,17 +6,16 @@
                 runtime (CUDA context, NCCL and allocator slack)
     phase A     target forward, no grad: one layer's transient (2H + 3I per token) + kept K/V
     phase B     draft forward + backward: saved activations of the one draft block, its backward
-                transient, the attention extra (SDPA reference: the float bias it keeps for backward;
-                fused attention, flash-attn or torch's own on CUDA: none), the target's last-layer
+                transient, the attention extra (SDPA reference: one query chunk's mask and weights,
+                SCORE_BUDGET; fused attention, flash-attn or torch's own on CUDA: none), the target's last-layer
                 K/V and final hidden state, the loss chunk
     peak        persistent + max(phase A, phase B)
 
 Sequence parallel (`sequence_parallel_size` SP): each GPU holds T/SP tokens of every sequence (and,
 inside attention, all T tokens of nh/SP heads: the same size), so phases A and B divide by SP;
 the persistent part does not (ZeRO still partitions over the whole world), nor does the SDPA
-reference path's mask: one (g*T, keys) mask per call, shared by the KV heads, over the whole
-sequence (`kernels: reference` on CUDA; on the CPU, in training, longspec/model/attention.py
-checkpoints the chunks instead of keeping their masks), so SP pays off with fused attention.
+reference path's one chunk (bounded by SCORE_BUDGET at any length). bench/bench_sp.py measures
+it on the CPU: the peak per rank grows about half as fast per token at SP 2 as at SP 1.
 
 The layer shapes follow longspec/model/glide.py (self-attn + cross-attn with q/k/v biases, SwiGLU MLP,
 three RMSNorms; the cross-attn k/v projections are frozen) and longspec/model/kernels.py (SDPA chunked
@@ -36,7 +35,11 @@ from typing import Any
 GiB = 1024 ** 3
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 RUNTIME_BYTES = int(2.0 * GiB)  # CUDA context + NCCL buffers + caching-allocator slack
-DEFAULT_CE_CHUNK = 1024  # rows of fp32 logits per chunk (longspec/model/kernels.py)
+# The trainer's own sizes (longspec/model/kernels.py and attention.py read them from here):
+DEFAULT_CE_CHUNK = 1024  # rows of fp32 logits per chunk of the reference cross-entropy
+# Score elements (B x nh x queries x keys, twice: mask and weights) per SDPA call on the reference
+# attention path: bounds its memory at any length. On CUDA 2^28 bool elements are 256 MB.
+SCORE_BUDGET = {"cpu": 1 << 24, "cuda": 1 << 28}
 ZERO12_REDUCE_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements)
 
 
@@ -215,11 +218,9 @@ def estimate(s: StageShape, ranks_per_node: int | None = None) -> MemoryEstimate
     est.phase_b.append(("draft activations", saved))
     est.phase_b.append(("draft backward transient", 2 * tokens * I * p))
     if not s.flash:
-        # SDPA with an explicit mask keeps a float bias per KV group for backward: windowed
-        # self-attention (window keys) + causal cross-attention (T/2 keys on average).
-        g = m.heads // m.kv_heads
-        keys = min(T, s.sliding_window) + T / 2
-        est.phase_b.append(("SDPA mask bias", B * g * T * keys * p))   # all T under SP too
+        # The reference path: query chunks within SCORE_BUDGET, checkpointed when several, so one
+        # chunk's mask (1 byte) and weights (p bytes) live at a time, whatever the length or SP.
+        est.phase_b.append(("SDPA reference chunk", SCORE_BUDGET["cuda" if s.cuda else "cpu"] * (p + 1)))
     est.phase_b.append(("target K/V + final hidden", kv_kept + tokens * H * p))
     # Linear CE (longspec/model/kernels.py, chunked or Liger): the gradient of the hidden states
     # (N, H) in the precision, and one chunk of fp32 logits (softmax and gradient in place) with

@@ -56,9 +56,13 @@ def test_memory_divides_the_sequence_part_by_sp_and_names_the_sp_a_length_needs(
     for what in ("draft activations", "target K/V + final hidden"):   # per-token parts: 1/8
         assert dict(one.phase_b)[what] == pytest_approx(8 * dict(eight.phase_b)[what])
     assert one.peak - persistent(one) > 6 * (eight.peak - persistent(eight))
-    # Without flash-attn the reference path's mask covers the whole sequence on every SP rank.
+    # Without flash-attn the reference path holds one budget-bounded chunk at any length or SP,
+    # so SP divides the rest there too.
     sdpa1, sdpa8 = (M.estimate(replace(shape, flash=False, sequence_parallel=sp)) for sp in (1, 8))
-    assert dict(sdpa1.phase_b)["SDPA mask bias"] == dict(sdpa8.phase_b)["SDPA mask bias"]
+    chunk = dict(sdpa1.phase_b)["SDPA reference chunk"]
+    assert chunk == dict(sdpa8.phase_b)["SDPA reference chunk"] == 3 * M.SCORE_BUDGET["cuda"]
+    assert chunk == dict(M.estimate(replace(shape, flash=False, seq_len=8192)).phase_b)["SDPA reference chunk"]
+    assert sdpa8.peak < sdpa1.peak < 1.5 * one.peak
     assert "sequence parallel 8 (16384 tokens per GPU)" in eight.lines()[0]
     warning = M.fit_warning(one, 80 * M.GiB, "--gpu-mem 80")
     assert warning is not None and "sequence_parallel_size=" in warning

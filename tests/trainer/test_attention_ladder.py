@@ -143,6 +143,25 @@ def test_chunk_plan_is_nearly_equal_chunks():
     assert len(big) < len(attention.chunk_plan(8192, 1, 28, 8192, "cpu"))     # a GPU-sized budget
 
 
+def test_a_windowed_reference_call_keeps_each_chunk_within_the_score_budget(monkeypatch):
+    """A band chunk reads size + window keys, not window + 1: sized by the window alone, a long
+    windowed call took a chunk of (nearly) the whole sequence by the whole sequence, and its scores
+    grew with the square of the length (SP 2 then saved nothing per token on the CPU). Every chunk's
+    scores (B x nh x queries x keys, twice) stay within the budget at any length, and the values are
+    the rule's."""
+    monkeypatch.setitem(attention.SCORE_BUDGET, "cpu", 1 << 14)
+    for T in (96, 384):
+        q, k, v = (x.detach() for x in rand_qkv(T=T))
+        with OpLog() as log:
+            got = attention.attention(q, k, v, window=8, impl="sdpa")
+        torch.testing.assert_close(got, naive_attention(q, k, v, window=8))
+        assert len(log.attn_shapes) > 1
+        for (b, kvh, rows, _), (_, _, keys, _) in log.attn_shapes:
+            assert 2 * b * kvh * rows * keys <= 1 << 14, (T, rows, keys)     # rows: g x queries
+        sizes = attention.chunk_plan(T, 2, 4, T, "cpu", window=8)
+        assert 2 * 2 * 4 * sizes[0] * min(T, sizes[0] + 8) <= 1 << 14
+
+
 @pytest.mark.parametrize("padded", [False, True])
 def test_reference_path_host_syncs_and_shapes_do_not_grow_with_length(padded):
     """A windowed and a lagged call, forward and backward, at 4x the length and 4x the chunks:
