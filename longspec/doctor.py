@@ -20,7 +20,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from longspec_cli.core import cudaarch
+from longspec_cli.core import cudaarch, opsdir
 
 GIB = 1 << 30
 SHM_MIN = 1 * GIB          # NCCL's shared-memory transport and DataLoader workers want more than Docker's 64 MB
@@ -99,6 +99,12 @@ def deepspeed_checks() -> list[dict]:
                          if has_nvcc else "no nvcc: ops DeepSpeed must compile (cpu_adam under optimizer offload, "
                          "FusedAdam, ZeRO++) cannot build; stages without offload still run",
                          None if has_nvcc else "install the CUDA toolkit matching torch.version.cuda, or set CUDA_HOME"))
+    folder = opsdir.launch_folder()
+    stale = opsdir.stale_locks(folder)
+    out.append(check("op build locks", "warn" if stale else "ok",
+                     f"left by stopped builds (no process holds them): {', '.join(map(str, stale))}; a launch "
+                     "building these ops would wait forever" if stale else f"none left in {folder}",
+                     "`longspec run` removes them; by hand: rm " + " ".join(map(str, stale)) if stale else None))
     return out
 
 

@@ -88,3 +88,17 @@ def cmdline(pid: int) -> list[str]:
         return psutil.Process(pid).cmdline()
     except (psutil.Error, ValueError):
         return []
+
+
+def file_holders(path: str | os.PathLike) -> list[int]:
+    """Live processes that hold `path` open (those this user may read: a file in the user's own
+    cache is not held by another user's processes)."""
+    target = os.path.realpath(path)
+    holders = []
+    for p in psutil.process_iter():
+        try:
+            if any(os.path.realpath(f.path) == target for f in p.open_files()):
+                holders.append(p.pid)
+        except psutil.Error:
+            continue
+    return holders

@@ -11,7 +11,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from longspec_cli.core import runfolder
+from longspec_cli.core import opsdir, runfolder
 from longspec_cli.core.manifest import Manifest, StageSpec
 from longspec_cli.errors import INTERRUPTED, PREEMPTED, LongspecError, RefusedError, RunFailed
 from longspec_cli.launch import argv as A
@@ -110,7 +110,7 @@ def launch_command(placement: A.Placement, res: A.Resources, conf: Path, exp: st
     from longspec_cli.launch import nodes
 
     if nodes.uses_nodes(placement):
-        extra = {} if "TORCH_EXTENSIONS_DIR" in os.environ else {"TORCH_EXTENSIONS_DIR": ops_build_dir()}
+        extra = {} if "TORCH_EXTENSIONS_DIR" in os.environ else {"TORCH_EXTENSIONS_DIR": opsdir.ops_build_dir()}
         return nodes.build_launch(placement, res, A.trainer_args(conf, exp, output_dir, overrides),
                                   Path(conf).parent, extra_env=extra)
     return with_ops_dir(A.build_launch(placement, res, conf, exp, output_dir, overrides,
@@ -130,6 +130,7 @@ def execute(manifest: Manifest, plans: list[StagePlan], placement: A.Placement, 
 
     outcomes: list[StageOutcome] = []
     with locked(manifest.root / ".longspec-run", timeout=0.5):
+        clear_stale_op_locks(console)
         for i, p in enumerate(plans):
             out: StageOutcome | None = None
             try:
@@ -225,17 +226,23 @@ def _preempted_event(spec: StageSpec) -> dict | None:
         else None
 
 
-def ops_build_dir() -> str:
-    """TORCH_EXTENSIONS_DIR for the launches: one folder per Python environment, beside torch's own.
-
-    DeepSpeed JIT-builds its CPU ops (cpu_adam, the shm comm op) into torch's extension folder,
-    which every environment of a user shares: two environments (two checkouts, two venvs)
-    alternating on one machine rebuild each other's ops, about two minutes per launch here."""
-    import hashlib
-
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    env_id = hashlib.sha256(os.path.realpath(sys.prefix).encode()).hexdigest()[:12]
-    return os.path.join(cache, "torch_extensions", f"longspec-{env_id}")
+def clear_stale_op_locks(console: Console, folder: str | None = None) -> list[str]:
+    """Remove the locks stopped op builds left in the ops folder (core/opsdir.py), said once each,
+    so the launch does not wait for them forever."""
+    removed = []
+    for lock in opsdir.stale_locks(folder or opsdir.launch_folder()):
+        try:
+            lock.unlink()
+        except FileNotFoundError:       # its build just ended
+            continue
+        except OSError as e:
+            console.warn(f"a stopped build of DeepSpeed's {lock.parent.name} op left {lock}, and it could "
+                         f"not be removed ({e.strerror}): remove it, or the launch waits for it forever")
+            continue
+        removed.append(str(lock))
+        console.warn(f"removed {lock}: a build of DeepSpeed's {lock.parent.name} op stopped midway and left "
+                     "it (no process holds it); the op builds again")
+    return removed
 
 
 def with_ops_dir(cmd: A.LaunchCommand) -> A.LaunchCommand:
@@ -244,7 +251,7 @@ def with_ops_dir(cmd: A.LaunchCommand) -> A.LaunchCommand:
 
     if "TORCH_EXTENSIONS_DIR" in os.environ or "TORCH_EXTENSIONS_DIR" in cmd.env:
         return cmd
-    return replace(cmd, env={**cmd.env, "TORCH_EXTENSIONS_DIR": ops_build_dir()})
+    return replace(cmd, env={**cmd.env, "TORCH_EXTENSIONS_DIR": opsdir.ops_build_dir()})
 
 
 def _chain_into(manifest: Manifest, spec: StageSpec, console: Console, chain, deep: bool | None = None) -> None:

@@ -308,7 +308,7 @@ def write_slurm(req, opts: SlurmOptions | None = None, *, submit: bool, out=None
     from longspec_cli.errors import RefusedError, UsageError
     from longspec_cli.launch import argv as A
     from longspec_cli.launch import plan, preflight
-    from longspec_cli.launch.execute import ops_build_dir
+    from longspec_cli.core.opsdir import ops_build_dir
 
     opts = opts or SlurmOptions()
     console = plan.Console(out)

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from longspec_cli.core import liveness, runfolder
-from longspec_cli.launch.execute import ops_build_dir
+from longspec_cli.core.opsdir import ops_build_dir
 from tests.needs import small_disk
 from tests.cli.test_run import LONGSPEC, ROOT, cli, cpu_env, flat, last_step, wait_for
 

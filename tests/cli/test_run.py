@@ -25,6 +25,7 @@ from longspec_cli.errors import RefusedError
 from longspec_cli.launch import argv as A
 from longspec_cli.launch import group as G
 from longspec_cli.launch import process as P
+from longspec_cli.core.opsdir import ops_build_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -507,9 +508,15 @@ def test_ctrl_c_on_longspec_run_then_the_next_run_resumes_to_the_planned_step(tm
     assert not (out / "stage_complete.json").exists()
     saved = max(c.step for c in runfolder.RunDir(out).checkpoints())
     assert saved >= 4
+    # A build of an op killed midway leaves its lock in the ops folder: the next run removes it.
+    stale = Path(env.get("TORCH_EXTENSIONS_DIR") or ops_build_dir()) / f"longspec_test_op_{os.getpid()}" / "lock"
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.touch()
 
     res = subprocess.run(args + ["--quiet"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert not stale.exists() and f"removed {stale}" in " ".join(res.stderr.split())
+    stale.parent.rmdir()
     events = runfolder.RunDir(out).events()
     resume = [e for e in events if e.get("event") == "resume"]
     assert resume and resume[-1]["step"] == saved
