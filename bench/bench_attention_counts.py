@@ -7,8 +7,10 @@ Counted below autograd by a TorchDispatchMode over one forward + backward of the
 (target, draft, both losses): host syncs (``aten._local_scalar_dense``: every .item(), bool(),
 int() of a tensor), attention kernel calls (SDPA / FlexAttention, forward and backward) and their
 distinct (query, key) shapes, and the ladder's rung per call (longspec.model.attention.CHOSEN).
-Host syncs and distinct shapes must not grow with the length; on the CPU's reference path the
-number of query chunks does (a memory bound, SCORE_BUDGET), at most two shapes per call site.
+Host syncs must not grow with the length; on the CPU's reference path the number of query chunks
+does (a memory bound, SCORE_BUDGET): the windowed self-attention's chunks take at most two shapes,
+the lagged cross-attention's read the keys up to their last query, a shape each (on CUDA it takes
+the fused rung, one call without chunks).
 """
 from __future__ import annotations
 
