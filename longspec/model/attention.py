@@ -309,9 +309,8 @@ def chunk_plan(rows: int, B: int, nh: int, keys: int, device, q_chunk: int | Non
 
     A chunk of ``size`` queries reads ``keys`` keys, or with a ``window`` the ``size + window`` keys
     its band spans (at most ``keys``): the size is the largest whose scores, B x nh x size x span
-    (twice: the mask and the weights), fit the budget. A windowed chunk sized by its window alone
-    would read size + window keys, not window + 1, and past a few thousand queries hold scores
-    that grow with the square of the sequence."""
+    (twice: the mask and the weights), fit the budget. Sized by its window alone (window + 1 keys),
+    a chunk would read size + window keys: several times the budget."""
     if rows <= 0:
         return []
     if q_chunk is None:

@@ -144,11 +144,11 @@ def test_chunk_plan_is_nearly_equal_chunks():
 
 
 def test_a_windowed_reference_call_keeps_each_chunk_within_the_score_budget(monkeypatch):
-    """A band chunk reads size + window keys, not window + 1: sized by the window alone, a long
-    windowed call took a chunk of (nearly) the whole sequence by the whole sequence, and its scores
-    grew with the square of the length (SP 2 then saved nothing per token on the CPU). Every chunk's
-    scores (B x nh x queries x keys, twice) stay within the budget at any length, and the values are
-    the rule's."""
+    """A band chunk reads size + window keys, not window + 1: sized by the window alone, a windowed
+    call took one chunk of the whole sequence by the whole sequence up to thousands of queries, and
+    past them chunks of several times the budget (5x at SP 1, 9x at SP 2 in bench_sp). Every
+    chunk's scores (B x nh x queries x keys, twice) stay within the budget at any length, and the
+    values are the rule's."""
     monkeypatch.setitem(attention.SCORE_BUDGET, "cpu", 1 << 14)
     for T in (96, 384):
         q, k, v = (x.detach() for x in rand_qkv(T=T))
