@@ -7,10 +7,10 @@ Counted below autograd by a TorchDispatchMode over one forward + backward of the
 (target, draft, both losses): host syncs (``aten._local_scalar_dense``: every .item(), bool(),
 int() of a tensor), attention kernel calls (SDPA / FlexAttention, forward and backward) and their
 distinct (query, key) shapes, and the ladder's rung per call (longspec.model.attention.CHOSEN).
-Host syncs must not grow with the length; on the CPU's reference path the number of query chunks
-does (a memory bound, SCORE_BUDGET): the windowed self-attention's chunks take at most two shapes,
-the lagged cross-attention's read the keys up to their last query, a shape each (on CUDA it takes
-the fused rung, one call without chunks).
+Host syncs and distinct shapes must not grow with the length. On the CPU's reference path the
+windowed self-attention is cut into query chunks by a memory bound (SCORE_BUDGET), so its calls
+grow, all of one shape but the last; the lagged cross-attention (no window, no padding) is one
+call of SDPA's causal path at any length (on CUDA both take the fused rung, without chunks).
 """
 from __future__ import annotations
 

@@ -7,8 +7,10 @@
                  draft's self-attention) is FlexAttention, compiled, with the window and the lag
                  stated once as a ``mask_mod`` and a band ``BlockMask`` built directly (no dense
                  mask) once per (length, window, lag, device) and cached
-    sdpa         the reference: torch SDPA with an explicit boolean mask, chunked over queries into
-                 chunks of (nearly) one size, no host sync per chunk; the CPU's path
+    sdpa         the reference, the CPU's path: torch SDPA with an explicit boolean mask, chunked
+                 over queries into chunks of (nearly) one size, no host sync per chunk; a call whose
+                 mask is plain causal (no window, no padding: the lagged cross-attention in
+                 training) states it with SDPA's causal path instead, one call without chunks
 
 Visibility rule shared by every rung (query index t, key index s, both from 0):
     s <= t - lag                      (causal, shifted back by ``lag``)
@@ -194,15 +196,8 @@ def _torch_fused_attention(q, k, v, window, lag, scale):
         return torch.zeros_like(q)
     if window is not None and window >= T - 1 - lag:
         window = None    # the window holds every key a query could see: plain causal
-    if window is None:   # shifted: query t (>= lag) against keys 0 .. T - lag - 1, plain causal
-        # K/V heads repeated to the query heads (T x kvh x hd each: small): every fused SDPA backend
-        # takes that, where `enable_gqa` is refused by some (then SDPA falls to its O(T^2) math path)
-        g = nh // k.shape[1]
-        kk, vv = ((x[:, :, : T - lag].repeat_interleave(g, dim=1) if g > 1 else x[:, :, : T - lag]) for x in (k, v))
-        out = F.scaled_dot_product_attention(q[:, :, lag:], kk, vv, is_causal=True, scale=scale)
-        if lag:
-            out = torch.cat([out.new_zeros(B, nh, lag, hd), out], dim=2)
-        return out                                                 # (B, nh, T, hd)
+    if window is None:
+        return _shifted_causal(q, k, v, lag, scale)
     if q.device.type != "cuda":
         return _eager_flex()(q, k, v, block_mask=band_block_mask(T, window, lag, q.device), scale=scale,
                              enable_gqa=True)
@@ -215,6 +210,23 @@ def _torch_fused_attention(q, k, v, window, lag, scale):
     out = _compiled_flex()(q, k, v, block_mask=band_block_mask(Tp, window, lag, q.device), scale=scale,
                            enable_gqa=True)
     return out[:, :, :T] if Tp != T else out
+
+
+def _shifted_causal(q, k, v, lag, scale):
+    """Causal attention shifted back by ``lag`` without a mask (T == S, no padding): query t >= lag
+    against keys 0 .. T - lag - 1 through SDPA's causal path, one call, no T x T scores (torch's
+    FlashAttention or cuDNN on CUDA, its flash kernel on the CPU); queries before ``lag`` get 0."""
+    B, nh, T, hd = q.shape
+    if lag >= T:
+        return torch.zeros_like(q)
+    # K/V heads repeated to the query heads (T x kvh x hd each: small): every fused SDPA backend
+    # takes that, where `enable_gqa` is refused by some (then SDPA falls to its O(T^2) math path)
+    g = nh // k.shape[1]
+    kk, vv = ((x[:, :, : T - lag].repeat_interleave(g, dim=1) if g > 1 else x[:, :, : T - lag]) for x in (k, v))
+    out = F.scaled_dot_product_attention(q[:, :, lag:], kk, vv, is_causal=True, scale=scale)
+    if lag:
+        out = torch.cat([out.new_zeros(B, nh, lag, hd), out], dim=2)
+    return out                                                     # (B, nh, T, hd)
 
 
 @lru_cache(maxsize=None)
@@ -336,6 +348,10 @@ def _sdpa_attention(q, k, v, causal, window, lag, key_padding_mask, scale, q_chu
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
         return out.reshape(B, nh, T, hd)
 
+    if window is None and key_padding_mask is None and S == T and q_chunk is None:
+        # the mask is plain causal shifted by the lag: SDPA's own causal path states it exactly,
+        # one call of one shape at any length, no scores held (on the CPU as on CUDA)
+        return _shifted_causal(q, k, v, lag, scale)
     first = min(lag, T)              # queries before `lag` see nothing: output 0
     sizes = chunk_plan(T - first, B, nh, S, q.device, q_chunk, window)
     # Split once (one cat in backward), not a slice of the whole q per chunk (a q-sized zero

@@ -162,6 +162,31 @@ def test_a_windowed_reference_call_keeps_each_chunk_within_the_score_budget(monk
         assert 2 * 2 * 4 * sizes[0] * min(T, sizes[0] + 8) <= 1 << 14
 
 
+def test_an_unpadded_lagged_reference_call_is_one_causal_call_at_any_length(monkeypatch):
+    """The training step's cross-attention (no window, no padding) on the reference path: one SDPA
+    call of one shape with no mask at any length, where the budget would cut the explicit mask into
+    chunks reading the keys up to their last query (a shape each); values and grads equal those
+    chunks' in fp32 and the per-query loop's."""
+    monkeypatch.setitem(attention.SCORE_BUDGET, "cpu", 1 << 14)
+    for T in (96, 384):
+        q1, k1, v1 = rand_qkv(T=T, dtype=torch.float32)
+        q2, k2, v2 = (x.detach().clone().requires_grad_(True) for x in (q1, k1, v1))
+        with OpLog() as log:
+            a = attention.attention(q1, k1, v1, lag=2, impl="sdpa")
+        assert len(log.attn_shapes) == 1, log.attn_shapes
+        with OpLog() as chunked:
+            b = attention.attention(q2, k2, v2, lag=2, impl="sdpa",
+                                    q_chunk=attention.chunk_plan(T, 2, 4, T, "cpu")[0])
+        assert len(set(chunked.attn_shapes)) > 1                  # what the budget alone would do
+        torch.testing.assert_close(a, b)
+        dout = torch.randn_like(a)
+        for ga, gb in zip(torch.autograd.grad(a, (q1, k1, v1), dout), torch.autograd.grad(b, (q2, k2, v2), dout)):
+            torch.testing.assert_close(ga, gb)
+        if T == 96:
+            want = naive_attention(*(x.detach().double() for x in (q1, k1, v1)), lag=2)
+            torch.testing.assert_close(a.double(), want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("padded", [False, True])
 def test_reference_path_host_syncs_and_shapes_do_not_grow_with_length(padded):
     """A windowed and a lagged call, forward and backward, at 4x the length and 4x the chunks:
