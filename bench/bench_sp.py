@@ -40,6 +40,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import hostmem  # noqa: E402
 
 DIMS = {
     # small enough for 2 shared CPU cores at 16k tokens; heads divisible by 2
@@ -78,22 +81,6 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 # ----------------------------------------------------------------------------- one rank
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _reset_peak_rss() -> None:
-    """Linux: the peak RSS (VmHWM) back to the RSS now, so each length's peak is its own."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def _peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-
 
 def worker(a: argparse.Namespace) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if a.device == "cuda" else "cpu")
@@ -135,8 +122,8 @@ def worker(a: argparse.Namespace) -> None:
             base = torch.cuda.memory_allocated()
         else:
             gc.collect()
-            _reset_peak_rss()
-            base = _rss()
+            hostmem.reset_peak()
+            base = hostmem.rss()
         for i in range(a.warmup + a.steps):
             t0 = time.perf_counter()
             out = model(input_ids=ids, labels=ids, cross_lag=1)
@@ -149,7 +136,7 @@ def worker(a: argparse.Namespace) -> None:
                 times.append(time.perf_counter() - t0)
         loss = out["loss"].detach().float().clone()
         del out
-        peak = (torch.cuda.max_memory_allocated() if a.device == "cuda" else _peak_rss()) - base
+        peak = (torch.cuda.max_memory_allocated() if a.device == "cuda" else hostmem.peak()) - base
         dist.all_reduce(loss)
         row = torch.tensor([peak, statistics.median(times)], dtype=torch.float64)
         rows = [torch.zeros_like(row) for _ in range(world)]
@@ -175,7 +162,7 @@ def launch(a: argparse.Namespace, ranks: int, out: Path) -> list[dict]:
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                TOKENIZERS_PARALLELISM="false")
     if a.device == "cpu":
-        env["MALLOC_MMAP_THRESHOLD_"] = "65536"     # freed tensors leave the RSS: its peak follows them
+        env.update(hostmem.MMAP_ENV)                # freed tensors leave the RSS: its peak follows them
     try:
         proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=a.timeout)
     except subprocess.TimeoutExpired:

@@ -26,6 +26,7 @@ the device's used memory less the reserved bytes, read after the steps). The est
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -34,6 +35,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import hostmem  # noqa: E402
 
 QWEN25_7B = dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
                  num_hidden_layers=28, vocab_size=152064, rope_theta=1000000.0, rms_norm_eps=1e-6,
@@ -41,14 +45,21 @@ QWEN25_7B = dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
             num_hidden_layers=2, vocab_size=512, rope_theta=10000.0, rms_norm_eps=1e-6,
             max_position_embeddings=32768, tie_word_embeddings=False)
+QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2,
+                  num_hidden_layers=24, vocab_size=151936, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                  max_position_embeddings=131072, tie_word_embeddings=True)
+TARGETS = {"qwen2.5-7b": QWEN25_7B, "qwen2.5-0.5b": QWEN25_05B, "tiny": TINY}
 
 
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="JSON file to write")
-    ap.add_argument("--dry-run", action="store_true", help="tiny target on the CPU (checks the script)")
+    ap.add_argument("--dry-run", action="store_true", help="on the CPU (default target tiny: checks the script)")
     ap.add_argument("--seq", type=int, nargs="+", help="sequence lengths (default 8192 16384 32768 65536; dry run 64 128)")
-    ap.add_argument("--layers", type=int, help="target layers (default 28; dry run 2)")
+    ap.add_argument("--target", choices=sorted(TARGETS), help="the target's shape (default qwen2.5-7b; "
+                    "dry run tiny); on the CPU the step's peak RSS is measured against the estimate")
+    ap.add_argument("--layers", type=int, help="target layers (default: the shape's)")
+    ap.add_argument("--precision", choices=("bf16", "fp32"), help="default bf16 (dry run fp32)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per length")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--window", type=int, default=512)
@@ -98,17 +109,17 @@ def build_target(dims: dict, device, dtype):
 
 
 def estimate_bytes(dims: dict, seq: int, window: int, flash: bool, on_cuda: bool, precision: str,
-                   zero_stage: int) -> float:
+                   zero_stage: int, loss_kernel: str = "chunked") -> float:
     from longspec_cli.core.memory import ModelSize, StageShape, estimate
 
     size = ModelSize.from_mapping({**dims, "model_type": "qwen2"})
     shape = StageShape(size=size, precision=precision, zero_stage=zero_stage, offload_optimizer=False,
                        seq_len=seq, micro_batch=1, world_size=1, flash=flash, sliding_window=window,
-                       cuda=on_cuda)
+                       cuda=on_cuda, loss_kernel=loss_kernel)
     return estimate(shape).peak
 
 
-def deepspeed_engine(model, device):
+def deepspeed_engine(model, device, precision: str):
     """The draft in a DeepSpeed engine as a one-GPU stage builds it: the trainer's default config
     through longspec.training.dsconfig (ZeRO-1 without offload: fused torch AdamW, fp32 master
     weights and moments on the GPU), torch.distributed bound to this device through longspec.model.comm."""
@@ -132,10 +143,11 @@ def deepspeed_engine(model, device):
     deepspeed.init_distributed(dist_backend=backend)
     conf = yaml.safe_load((ROOT / "longspec" / "conf" / "config.yaml").read_text())
     conf.update(per_gpu_train_batch_size=1, gradient_accumulation_steps=1, global_batch_size=None,
-                precision="bf16" if device.type == "cuda" else "fp32", sequence_parallel_size=1,
+                precision=precision, sequence_parallel_size=1,
                 ds_cfg={"zero_optimization": {"stage": 1}})
     ds_conf, _ = dsconfig.build_ds_config(conf, world_size=1, total_steps=1000, warmup_steps=10,
-                                          on_cpu=device.type != "cuda")
+                                          on_cpu=device.type != "cuda",
+                                          draft_trainable=sum(p.numel() for p in model.trainable_parameters()))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.trainable_parameters(),
                                            config=ds_conf)
     return engine, ds_conf
@@ -153,33 +165,35 @@ def run_length(model, seq: int, a: argparse.Namespace, device, engine=None) -> d
     if on_cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    tracked = contextlib.nullcontext() if on_cuda else hostmem.TensorPeak()
     times, losses = [], []
     started = time.perf_counter()
-    for i in range(a.warmup + a.steps):
-        if i and time.perf_counter() - started > a.length_timeout:
-            if not times:
-                raise TimeoutError(f"warmup alone took over {a.length_timeout:.0f} s")
-            break
-        ids = torch.randint(0, vocab, (1, seq), generator=gen)
-        pos = anchor_offset_position_ids(seq, 1, anchors=4, max_offset=1000, threshold=1200, generator=gen)
-        lag = sample_cross_lag(4, gen)
-        if on_cuda:
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        if engine is not None:
-            out = engine(ids.to(device), ids.to(device), pos.to(device), cross_lag=lag)
-            engine.backward(out["loss"])
-            engine.step()
-        else:
-            out = model(ids.to(device), ids.to(device), pos.to(device), cross_lag=lag)
-            out["loss"].backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        if on_cuda:
-            torch.cuda.synchronize(device)
-        if i >= a.warmup:
-            times.append(time.perf_counter() - t0)
-            losses.append(out["loss"].item())
+    with tracked:      # CPU: live tensor storages over the steps (hostmem.TensorPeak)
+        for i in range(a.warmup + a.steps):
+            if i and time.perf_counter() - started > a.length_timeout:
+                if not times:
+                    raise TimeoutError(f"warmup alone took over {a.length_timeout:.0f} s")
+                break
+            ids = torch.randint(0, vocab, (1, seq), generator=gen)
+            pos = anchor_offset_position_ids(seq, 1, anchors=4, max_offset=1000, threshold=1200, generator=gen)
+            lag = sample_cross_lag(4, gen)
+            if on_cuda:
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            if engine is not None:
+                out = engine(ids.to(device), ids.to(device), pos.to(device), cross_lag=lag)
+                engine.backward(out["loss"])
+                engine.step()
+            else:
+                out = model(ids.to(device), ids.to(device), pos.to(device), cross_lag=lag)
+                out["loss"].backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            if on_cuda:
+                torch.cuda.synchronize(device)
+            if i >= a.warmup:
+                times.append(time.perf_counter() - t0)
+                losses.append(out["loss"].item())
     if not times:
         raise TimeoutError(f"no timed step within {a.length_timeout:.0f} s")
     step_s = sum(times) / len(times)
@@ -191,6 +205,8 @@ def run_length(model, seq: int, a: argparse.Namespace, device, engine=None) -> d
                   "peak_reserved_bytes": torch.cuda.max_memory_reserved(device),
                   "outside_allocator_bytes": outside,
                   "device_peak_bytes": torch.cuda.max_memory_reserved(device) + outside}
+    else:
+        memory = {"tensor_peak_bytes": tracked.peak}
     flops = step_flops(a.dims, seq, a.window)
     return {"seq_len": seq, "step_s": round(step_s, 4), "tokens_per_s": round(seq / step_s, 1),
             "timed_steps": len(times), "step_flops": flops, "tflops_per_s": round(flops / step_s / 1e12, 2),
@@ -210,12 +226,13 @@ def main(argv=None) -> int:
         print("gpu_check: no CUDA device (use --dry-run to check the script on a CPU)", file=sys.stderr)
         return 2
     device = torch.device("cpu" if a.dry_run else "cuda")
-    dims = dict(TINY if a.dry_run else QWEN25_7B)
+    dims = dict(TARGETS[a.target or ("tiny" if a.dry_run else "qwen2.5-7b")])
     if a.layers:
         dims["num_hidden_layers"] = a.layers
     a.dims = dims
     seqs = a.seq or ([64, 128] if a.dry_run else [8192, 16384, 32768, 65536])
-    dtype = torch.float32 if a.dry_run else torch.bfloat16
+    precision = a.precision or ("fp32" if a.dry_run else "bf16")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -227,12 +244,12 @@ def main(argv=None) -> int:
     model = build_glide(target, sliding_window=a.window, dtype=dtype).to(device)
     built_s = time.perf_counter() - t0
     flash = chosen["attention"] != "sdpa"            # a fused rung: no mask kept for backward
-    engine, ds_conf = deepspeed_engine(model, device) if a.optimizer == "deepspeed" else (None, None)
-    precision = "fp32" if a.dry_run else "bf16"
+    engine, ds_conf = deepspeed_engine(model, device, precision) if a.optimizer == "deepspeed" else (None, None)
     zero = 1 if engine is not None else 0
     results, stop = [], None
     for seq in seqs:
-        est = estimate_bytes(dims, seq, a.window, flash, device.type == "cuda", precision, zero)
+        est = estimate_bytes(dims, seq, a.window, flash, device.type == "cuda", precision, zero,
+                             chosen["linear_cross_entropy"])
         if stop:
             r = {"seq_len": seq, "skipped": stop}
         else:
@@ -249,6 +266,8 @@ def main(argv=None) -> int:
         if r.get("device_peak_bytes"):
             r["measured_over_estimate"] = round(r["device_peak_bytes"] / est, 3)
             r["allocated_over_estimate"] = round(r["peak_bytes"] / est, 3)
+        elif r.get("tensor_peak_bytes"):
+            r["measured_over_estimate"] = round(r["tensor_peak_bytes"] / est, 3)
         results.append(r)
         print(json.dumps(r), flush=True)
     report = {
@@ -256,7 +275,8 @@ def main(argv=None) -> int:
         "dry_run": a.dry_run, "torch": torch.__version__, "kernels_mode": a.kernels, "kernels": chosen,
         "attention_top_rung": a.attention, "optimizer": a.optimizer,
         "optimizer_class": type(engine.optimizer).__name__ if engine is not None else "torch.optim.AdamW",
-        "zero_optimization": (ds_conf or {}).get("zero_optimization"), "target_attention": model.target.config._attn_implementation,
+        "zero_optimization": (ds_conf or {}).get("zero_optimization"),
+        "engine_reduce_bucket_size": getattr(getattr(engine, "optimizer", None), "reduce_bucket_size", None), "target_attention": model.target.config._attn_implementation,
         "attention_calls": dict(attention.CHOSEN),
         "target_shape": dims, "target_params": sum(p.numel() for p in model.target.parameters()),
         "draft_trainable_params": sum(p.numel() for p in model.trainable_parameters()),

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from longspec.model import kernels
-from longspec_cli.core.memory import SCORE_BUDGET  # per SDPA call on the reference path (the estimate's)
+from longspec_cli.core.memory import SCORE_BUDGET, query_chunks  # the reference path's budget and chunks (the estimate's)
 FLEX_BLOCK = 128                 # FlexAttention's default sparse block (queries and keys)
 FLEX_LENGTH_STEP = 1024          # compiled FlexAttention sees lengths in these steps (one kernel each)
 RUNGS = kernels.ATTENTION_RUNGS
@@ -316,26 +316,10 @@ def visible_mask(t_idx: torch.Tensor, s_idx: torch.Tensor, window: int | None, l
 
 def chunk_plan(rows: int, B: int, nh: int, keys: int, device, q_chunk: int | None = None,
                window: int | None = None) -> list[int]:
-    """Query-chunk sizes covering ``rows`` rows against ``keys`` keys: as few chunks as the score
-    budget allows, all of one size but the last (at most smaller by the number of chunks).
-
-    A chunk of ``size`` queries reads ``keys`` keys, or with a ``window`` the ``size + window`` keys
-    its band spans (at most ``keys``): the size is the largest whose scores, B x nh x size x span
-    (twice: the mask and the weights), fit the budget. Sized by its window alone (window + 1 keys),
-    a chunk would read size + window keys: several times the budget."""
-    if rows <= 0:
-        return []
-    if q_chunk is None:
-        cap = SCORE_BUDGET["cuda" if torch.device(device).type == "cuda" else "cpu"] // max(1, 2 * B * nh)
-        keys = max(1, keys)
-        q_chunk = cap // keys                    # every chunk reads all the keys
-        if window is not None and q_chunk + window < keys:
-            # the band: the largest size with size x (size + window) <= cap
-            q_chunk = int((math.isqrt(window * window + 4 * cap) - window) // 2)
-    q_chunk = max(16, int(q_chunk))
-    n = -(-rows // q_chunk)
-    size = -(-rows // n)
-    return [size] * (rows // size) + ([rows % size] if rows % size else [])
+    """Query-chunk sizes covering ``rows`` rows against ``keys`` keys within the device's score
+    budget (the sizing rule: longspec_cli.core.memory.query_chunks, which the estimate reads too)."""
+    budget = SCORE_BUDGET["cuda" if torch.device(device).type == "cuda" else "cpu"]
+    return query_chunks(rows, B, nh, keys, budget, q_chunk, window)
 
 
 def _sdpa_attention(q, k, v, causal, window, lag, key_padding_mask, scale, q_chunk):

@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 from longspec_cli.core import schema
+from longspec_cli.core.memory import reduce_bucket_elements
 
 # Trainer-only keys that a stage file does not carry (command-line switches).
 EXTRA_SPEC = {"force": schema.BOOL}
@@ -94,11 +95,14 @@ def build_ds_config(
     warmup_steps: int,
     on_cpu: bool,
     cpu_adam_error: str | None = None,
+    draft_trainable: int | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
     """(DeepSpeed config, notes for the log). Raises ConfigError when ds_cfg contradicts a trainer key.
 
     cpu_adam_error: why DeepSpeedCPUAdam cannot be built here (None = it can); then optimizer
     offload is turned off and torch's AdamW used instead, with a note saying so.
+    draft_trainable: the draft's trainable parameters; the reduce bucket is sized to them where
+    ds_cfg sets none (longspec_cli.core.memory.reduce_bucket_elements).
     """
     ds = copy.deepcopy(conf.get("ds_cfg") or {})
     problems: list[str] = []
@@ -139,6 +143,11 @@ def build_ds_config(
     _scheduler(ds, conf, total_steps, warmup_steps, problems)
     _precision(ds, conf["precision"], on_cpu, problems)
     _zero(ds, on_cpu, cpu_adam_error, problems, notes)
+    zero = ds["zero_optimization"]
+    if zero.get("stage") in (1, 2, 3) and zero.get("reduce_bucket_size") is None and draft_trainable:
+        # DeepSpeed allocates reduce_bucket_size elements whatever the model (default 5e8: 1 GB
+        # in bf16); every gradient of the one-block draft fits in its own count
+        zero["reduce_bucket_size"] = reduce_bucket_elements(draft_trainable)
     if sp > 1:
         _sequence_parallel(ds, sp, problems, notes)
     ds.setdefault("steps_per_print", 1_000_000_000)   # the trainer prints its own progress line

@@ -18,8 +18,8 @@ from longspec.training.rank import (print0, progress, rank, seeded, single_proce
                                     unlink_shm_buffer, world_size)
 from longspec.training.entry import TrainError, implied_config_dir, make_hydra_entry, read_config
 from longspec.training.preempt import EXIT_PREEMPTED, WATCH
-from longspec.training.preflight import (DTYPES, Origin, Preflight, choose_kernels, config_origin, cpu_adam_error, preflight,
-                                training_config_yaml, wants_offload)
+from longspec.training.preflight import (DTYPES, Origin, Preflight, choose_kernels, config_origin, cpu_adam_error,
+                                         draft_trainable, preflight, training_config_yaml, wants_offload)
 from longspec.training.resume import decide_resume
 from longspec_cli.core import cudaarch, runfolder
 from longspec_cli.core.mathkeys import layout, math_config
@@ -122,7 +122,8 @@ class Session:
         adam_error = cpu_adam_error(accel) if wants_offload(conf) else None
         ds_conf, notes = dsconfig.build_ds_config(
             conf, world_size=self.world, total_steps=self.total, warmup_steps=warmup,
-            on_cpu=self.on_cpu, cpu_adam_error=adam_error)
+            on_cpu=self.on_cpu, cpu_adam_error=adam_error,
+            draft_trainable=draft_trainable(self.pre.target_config, conf["draft"]["sliding_window"]))
         for note in notes:
             print0(f"[{conf['stage']}] note: {note}")
         self.ds_conf = ds_conf

@@ -167,6 +167,21 @@ def load_draft(path: Path, tcfg, conf: dict[str, Any]):
     return state, (sha256_file(file) if file.is_file() else None)
 
 
+def draft_trainable(tcfg: Any, window: int) -> int | None:
+    """The trainable parameters of the draft this target gets, counted on a meta-device draft
+    (None if it cannot be built from the config); what the reduce bucket is sized to."""
+    import torch
+
+    from longspec.model.glide import DraftConfig, GlideDraft
+
+    try:
+        with torch.device("meta"):
+            shell = GlideDraft(DraftConfig.from_target_config(tcfg, window))
+    except (ValueError, TypeError, AttributeError):
+        return None
+    return sum(p.numel() for p in shell.parameters() if p.requires_grad)
+
+
 def check_kernels(conf: dict[str, Any]) -> None:
     """``kernels: fused`` where the fused kernels cannot run is refused before anything loads."""
     if conf["kernels"] != "fused":

@@ -1,20 +1,30 @@
 """Per-GPU memory estimate of one training stage: arithmetic on sizes, nothing measured.
 
     persistent  target weights (precision bytes; ZeRO-3: / world, plus the gathered working set)
-                draft weights, draft gradients (ZeRO-2/3: / world)
-                Adam: fp32 master + 2 moments (ZeRO >= 1: / world; 0 on the GPU when offloaded)
+                draft weights; draft gradients outside DeepSpeed's reduce bucket (ZeRO-2/3: / world)
+                ZeRO-3's reduce bucket (allocated once)
+                Adam: fp32 master + 2 moments (ZeRO >= 1: / world; 0 on the GPU when offloaded;
+                ZeRO-1/2 copy the master even from fp32 weights)
                 runtime (CUDA context, NCCL and allocator slack)
     phase A     target forward, no grad: one layer's transient (2H + 3I per token) + kept K/V
-    phase B     draft forward + backward: saved activations of the one draft block, its backward
-                transient, the attention extra (SDPA reference: one query chunk's mask and weights,
-                SCORE_BUDGET; fused attention, flash-attn or torch's own on CUDA: none), the target's last-layer
-                K/V and final hidden state, the loss chunk
-    peak        persistent + max(phase A, phase B)
+    phase B     draft forward, loss, backward: throughout, the one draft block's saved activations,
+                the target's last-layer K/V and final hidden state and the loss's gradient of
+                the hidden states; then the larger of two moments: the loss's forward (one chunk
+                of logits: Liger's or longspec's, ``loss_chunk_bytes``) or the draft's backward
+                (its transient, the SDPA reference's largest chunk where the attention is not
+                fused, and ZeRO-1/2's reduce bucket, allocated when the first gradient is made:
+                the gradients are made inside it)
+    phase C     the optimizer step: ZeRO-1/2's reduced gradients and their fp32 copy
+    peak        persistent + max(phase A, phase B, phase C)
+
+DeepSpeed allocates the whole reduce bucket whatever the model's size; the trainer sizes it to
+the draft (``reduce_bucket_elements``). bench/gpu_check.py --dry-run measures the estimate against
+the live tensors of the trainer's own DeepSpeed engine on the CPU (hostmem.TensorPeak).
 
 Sequence parallel (`sequence_parallel_size` SP): each GPU holds T/SP tokens of every sequence (and,
 inside attention, all T tokens of nh/SP heads: the same size), so phases A and B divide by SP;
 the persistent part does not (ZeRO still partitions over the whole world), nor does the SDPA
-reference path's one chunk (bounded by SCORE_BUDGET at any length). bench/bench_sp.py measures
+reference path's largest chunk (bounded by SCORE_BUDGET at any length). bench/bench_sp.py measures
 it on the CPU: the peak per rank grows about half as fast per token at SP 2 as at SP 1.
 
 The layer shapes follow longspec/model/glide.py (self-attn + cross-attn with q/k/v biases, SwiGLU MLP,
@@ -28,6 +38,7 @@ a Qwen2.5-7B-shaped GLIDE block in bf16 on the CPU: 292 KB per token at 512 toke
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,6 +138,10 @@ class StageShape:
     prefetch_params: int = 100_000_000  # stage3_prefetch_bucket_size
     cuda: bool = True  # False: a CPU run (no CUDA context; the estimate is informational)
     sequence_parallel: int = 1  # SP ranks share each sequence (DeepSpeed Ulysses)
+    loss_kernel: str = "chunked"  # "liger" where Liger's fused loss runs (CUDA, installed), else longspec's
+    reduce_bucket: int | None = None  # zero_optimization.reduce_bucket_size (elements); None: the trainer's
+    overlap_comm: bool = False  # zero_optimization.overlap_comm (ZeRO-1/2: a second bucket)
+    contiguous_gradients: bool = True  # zero_optimization.contiguous_gradients (DeepSpeed's default)
 
 
 @dataclass
@@ -135,18 +150,27 @@ class MemoryEstimate:
     persistent: list[tuple[str, float]] = field(default_factory=list)  # (what, bytes)
     phase_a: list[tuple[str, float]] = field(default_factory=list)
     phase_b: list[tuple[str, float]] = field(default_factory=list)
+    # Phase B's two moments on top of what it holds throughout: the loss's chunk in the forward,
+    # then the draft block's backward; the larger counts.
+    phase_b_max: list[tuple[str, list[tuple[str, float]]]] = field(default_factory=list)
+    phase_c: list[tuple[str, float]] = field(default_factory=list)   # the optimizer step
     cpu_offload_per_node: float = 0.0  # bytes of optimizer state held in CPU RAM per node
     ranks_per_node: int = 1
 
+    def _phases(self) -> dict[str, float]:
+        b = sum(x for _, x in self.phase_b) + max((sum(x for _, x in items) for _, items in self.phase_b_max),
+                                                  default=0.0)
+        return {"target forward": sum(x for _, x in self.phase_a), "draft forward/backward": b,
+                "optimizer step": sum(x for _, x in self.phase_c)}
+
     @property
     def peak(self) -> float:
-        return sum(b for _, b in self.persistent) + max(sum(b for _, b in self.phase_a),
-                                                        sum(b for _, b in self.phase_b))
+        return sum(b for _, b in self.persistent) + max(self._phases().values())
 
     @property
     def peak_phase(self) -> str:
-        return "target forward" if sum(b for _, b in self.phase_a) > sum(b for _, b in self.phase_b) \
-            else "draft forward/backward"
+        phases = self._phases()
+        return max(phases, key=phases.get)
 
     def lines(self) -> list[str]:
         s = self.shape
@@ -156,10 +180,19 @@ class MemoryEstimate:
                 f"{_sp_text(s)}"
                 f"{'fused attention' if s.flash else 'SDPA reference attention'}")
         out = [head]
-        for title, items in (("persistent", self.persistent), ("target forward", self.phase_a),
-                             ("draft fwd/bwd", self.phase_b)):
-            out.append(f"  {title:<15} {gib(sum(b for _, b in items)):>10}  "
-                       + ", ".join(f"{w} {gib(b)}" for w, b in items if b >= 0.005 * GiB))
+        phases = self._phases()
+        for title, items, total in (("persistent", self.persistent, sum(b for _, b in self.persistent)),
+                                    ("target forward", self.phase_a, phases["target forward"]),
+                                    ("draft fwd/bwd", self.phase_b, phases["draft forward/backward"]),
+                                    ("optimizer step", self.phase_c, phases["optimizer step"])):
+            parts = [f"{w} {gib(b)}" for w, b in items if b >= 0.005 * GiB]
+            if items is self.phase_b and self.phase_b_max:
+                def alt_text(name, alt):
+                    shown = ", ".join(f"{w} {gib(b)}" for w, b in alt if b >= 0.005 * GiB)
+                    return f"{name} {gib(sum(b for _, b in alt))}" + (f" ({shown})" if shown else "")
+                parts.append("then the larger of " + " | ".join(alt_text(n, a) for n, a in self.phase_b_max))
+            if items or total:
+                out.append(f"  {title:<15} {gib(total):>10}  " + ", ".join(parts))
         if self.cpu_offload_per_node:
             out.append(f"  CPU RAM (offloaded optimizer, per node): {gib(self.cpu_offload_per_node)}")
         return out
@@ -193,10 +226,22 @@ def estimate(s: StageShape, ranks_per_node: int | None = None) -> MemoryEstimate
         biggest = max(V * H, m.layer_params())
         est.persistent.append(("ZeRO-3 gathered", (biggest + min(s.prefetch_params, m.layer_params())) * p))
     est.persistent.append(("draft weights", draft_all * p / (W if z3 else 1)))
-    est.persistent.append(("draft grads", draft_train * p / (W if s.zero_stage >= 2 else 1)))
-    if s.zero_stage in (1, 2):
-        est.persistent.append(("reduce bucket", min(draft_train, ZERO12_REDUCE_BUCKET) * p))
-    optim_bytes = (12 if p < 4 else 8) * draft_train  # fp32 master (mixed precision only) + m + v
+    z12 = s.zero_stage in (1, 2)
+    in_bucket = z12 and s.contiguous_gradients
+    reduce_bucket = reduce_bucket_elements(draft_train, s.reduce_bucket)
+    # ZeRO-1/2 with contiguous gradients allocate the reduce bucket (reduce_bucket_size elements,
+    # whatever the draft's size; two with overlap_comm) when the backward makes its first gradient,
+    # and the gradients are made inside it; what does not fit is moved to the rank's partition.
+    bucket = reduce_bucket * p * (2 if s.overlap_comm else 1) if in_bucket else 0
+    grads_kept = (max(0, draft_train - reduce_bucket) if in_bucket else draft_train) * p
+    if grads_kept:
+        est.persistent.append(("draft grads" + (" past the bucket" if in_bucket else ""),
+                               grads_kept / (W if s.zero_stage >= 2 else 1)))
+    if z3 and s.contiguous_gradients:
+        # ZeRO-3 allocates its reduce bucket once, at start, beside the gradient partitions
+        est.persistent.append(("reduce bucket", reduce_bucket * p))
+    # fp32 master + m + v; ZeRO-1/2 copy the master partition even when the weights are fp32
+    optim_bytes = (12 if p < 4 or z12 else 8) * draft_train
     shard = optim_bytes / (W if s.zero_stage >= 1 else 1)
     if s.offload_optimizer:
         # DeepSpeed's CPU Adam also keeps an fp32 gradient copy of its partition.
@@ -211,23 +256,102 @@ def estimate(s: StageShape, ranks_per_node: int | None = None) -> MemoryEstimate
     est.phase_a.append(("layer transient", tokens * (2 * H + 3 * I) * p))
     est.phase_a.append(("last-layer K/V", kv_kept))
 
-    # --- phase B: draft forward + backward, then the losses
+    # --- phase B: draft forward, the loss (its gradient made in its forward), the draft's backward
     # Saved for backward per token: three RMSNorm inputs with their fp32 copies (~3H each),
     # q/k/v and RoPE inputs, two attention outputs and o_proj inputs, the MLP's four I-wide tensors.
     saved = tokens * (20 * H + 4 * m.kv_dim + 4 * I) * p
     est.phase_b.append(("draft activations", saved))
-    est.phase_b.append(("draft backward transient", 2 * tokens * I * p))
+    est.phase_b.append(("target K/V + final hidden", kv_kept + tokens * H * p))
+    est.phase_b.append(("loss gradient", tokens * H * p))      # d loss / d hidden, made in the loss's forward
+    est.phase_b_max.append(("loss forward", [("loss chunk", loss_chunk_bytes(s, tokens))]))
+    backward = [("draft backward transient", 2 * tokens * I * p)]
     if not s.flash:
         # The reference path: query chunks within SCORE_BUDGET, checkpointed when several, so one
         # chunk's mask (1 byte) and weights (p bytes) live at a time, whatever the length or SP.
-        est.phase_b.append(("SDPA reference chunk", SCORE_BUDGET["cuda" if s.cuda else "cpu"] * (p + 1)))
-    est.phase_b.append(("target K/V + final hidden", kv_kept + tokens * H * p))
-    # Linear CE (longspec/model/kernels.py, chunked or Liger): the gradient of the hidden states
-    # (N, H) in the precision, and one chunk of fp32 logits (softmax and gradient in place) with
-    # the low-precision copy its gradient product reads: (chunk, V) x 2 x 4 bytes at most.
-    chunk = min(s.loss_chunk or DEFAULT_CE_CHUNK, tokens)
-    est.phase_b.append(("loss chunk", tokens * H * p + 2 * chunk * V * 4))
+        backward.append(("SDPA reference chunk", reference_chunk_bytes(s)))
+    if bucket:
+        backward.append(("reduce bucket", bucket))
+    elif z12:   # without contiguous gradients: a bucket's gradients flattened when it is reduced
+        backward.append(("reduce bucket", min(draft_train, reduce_bucket) * p))
+    est.phase_b_max.append(("draft backward", backward))
+
+    # --- phase C: the optimizer step (activations gone): ZeRO-1/2 keep the reduced gradients of
+    # the rank's partition and flatten them into fp32 for the step
+    if z12 and not s.offload_optimizer:
+        est.phase_c.append(("reduced grads", draft_train * p / W))
+        est.phase_c.append(("fp32 grads", 4 * draft_train / W))
     return est
+
+
+def query_chunks(rows: int, B: int, nh: int, keys: int, budget: int, q_chunk: int | None = None,
+                 window: int | None = None) -> list[int]:
+    """Query-chunk sizes of one reference-attention call (longspec.model.attention.chunk_plan with
+    the device's SCORE_BUDGET): ``rows`` queries against ``keys`` keys in as few chunks as the
+    budget allows, all of one size but the last (at most smaller by the number of chunks).
+
+    A chunk of ``size`` queries reads ``keys`` keys, or with a ``window`` the ``size + window`` keys
+    its band spans (at most ``keys``): the size is the largest whose scores, B x nh x size x span
+    (twice: the mask and the weights), fit the budget. Sized by its window alone (window + 1 keys),
+    a chunk would read size + window keys: several times the budget."""
+    if rows <= 0:
+        return []
+    if q_chunk is None:
+        cap = budget // max(1, 2 * B * nh)
+        keys = max(1, keys)
+        q_chunk = cap // keys                    # every chunk reads all the keys
+        if window is not None and q_chunk + window < keys:
+            # the band: the largest size with size x (size + window) <= cap
+            q_chunk = int((math.isqrt(window * window + 4 * cap) - window) // 2)
+    q_chunk = max(16, int(q_chunk))
+    n = -(-rows // q_chunk)
+    size = -(-rows // n)
+    return [size] * (rows // size) + ([rows % size] if rows % size else [])
+
+
+def reference_chunk_bytes(s: StageShape) -> float:
+    """The largest chunk of the reference attention in training: its mask (1 byte) and weights
+    (the precision) per score, B x heads x queries x keys. The windowed self-attention's band
+    chunks; the cross-attention's chunks only where a batch can hold padding (micro batch > 1:
+    unpadded, it is one call of SDPA's causal path and keeps no scores)."""
+    m, p = s.size, PRECISION_BYTES[s.precision]
+    B, T = s.micro_batch, max(1, s.seq_len)
+    nh = max(1, m.heads // max(1, s.sequence_parallel))      # Ulysses: all T tokens of nh / SP heads
+    budget = SCORE_BUDGET["cuda" if s.cuda else "cpu"]
+    rows = query_chunks(T, B, nh, T, budget, window=s.sliding_window)[0]
+    scores = B * nh * rows * min(T, rows + s.sliding_window)
+    if B > 1:
+        rows = query_chunks(T, B, nh, T, budget)[0]
+        scores = max(scores, B * nh * rows * T)
+    return scores * (1 + p)
+
+
+def reduce_bucket_elements(draft_trainable: int | None, configured: int | None = None) -> int:
+    """The reduce bucket a stage's DeepSpeed engine runs with (elements): the stage's
+    zero_optimization.reduce_bucket_size where it sets one, else the draft's trainable parameter
+    count up to DeepSpeed's default. DeepSpeed allocates the whole bucket whatever the model's size
+    (ZeRO-1/2 at every backward, ZeRO-3 once at start); its default, 5e8, is sized for whole LLMs
+    and is twice a 7B target's draft: the trainer (longspec.training.dsconfig) sets this instead."""
+    if configured:
+        return int(configured)
+    if not draft_trainable:
+        return ZERO12_REDUCE_BUCKET
+    return min(ZERO12_REDUCE_BUCKET, int(draft_trainable))
+
+
+def loss_chunk_bytes(s: StageShape, tokens: float) -> float:
+    """The loss's largest transient: one chunk of logits. Liger's fused loss (0.8): chunks of
+    next_pow2(N / ceil(V / H)) rows in the hidden states' dtype, the gradient written over the
+    logits. longspec's chunked loss (model/kernels.py): chunks of ``loss_chunk`` rows of fp32
+    logits, softmax and gradient in place; a low-precision lm_head adds the gradient's copy in its
+    dtype on CUDA, and its own fp32 copy elsewhere."""
+    m, p = s.size, PRECISION_BYTES[s.precision]
+    n = max(1, int(tokens))
+    if s.loss_kernel == "liger":
+        rows = min(n, 1 << max(0, math.ceil(n / math.ceil(m.vocab / m.hidden)) - 1).bit_length())
+        return rows * m.vocab * p
+    rows = min(s.loss_chunk or DEFAULT_CE_CHUNK, n)
+    extra = (rows * m.vocab * p if s.cuda else m.vocab * m.hidden * 4) if p < 4 else 0
+    return rows * m.vocab * 4 + extra
 
 
 def fit_warning(est: MemoryEstimate, capacity_bytes: float | None, where: str, margin: float = 0.95) -> str | None:

@@ -132,6 +132,12 @@ def stage_shape(manifest: Manifest, spec: StageSpec, overrides: list[str], res: 
         sliding_window=get(data.get("draft"), "sliding_window", 512),
         prefetch_params=_count(zero.get("stage3_prefetch_bucket_size"), 100_000_000), cuda=not res.cpu,
         sequence_parallel=max(1, get(data, "sequence_parallel_size", 1)),
+        # Liger's loss only where `kernels: fused` requires it; under `auto` the chunked loss's
+        # larger chunk, as a node without liger-kernel would run
+        loss_kernel="liger" if flash and data.get("kernels") == "fused" else "chunked",
+        reduce_bucket=_count(zero.get("reduce_bucket_size"), 0) or None,
+        overlap_comm=_flag(zero.get("overlap_comm"), get(zero, "stage", 0) >= 3),
+        contiguous_gradients=_flag(zero.get("contiguous_gradients"), True),
     )
 
 
@@ -200,6 +206,14 @@ def project_disk_problems(path) -> list:
             out.append(Problem("warning", str(p.spec.config), None, "output_dir", f"stage {p.spec.name}: {warning}",
                                "`longspec run` refuses to start it; `longspec run --force` starts it anyway"))
     return out
+
+
+def _flag(v: Any, default: bool) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.strip().lower() in ("true", "false"):
+        return v.strip().lower() == "true"
+    return default
 
 
 def _count(v: Any, default: int) -> int:

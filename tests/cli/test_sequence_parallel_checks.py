@@ -59,9 +59,11 @@ def test_memory_divides_the_sequence_part_by_sp_and_names_the_sp_a_length_needs(
     # Without flash-attn the reference path holds one budget-bounded chunk at any length or SP,
     # so SP divides the rest there too.
     sdpa1, sdpa8 = (M.estimate(replace(shape, flash=False, sequence_parallel=sp)) for sp in (1, 8))
-    chunk = dict(sdpa1.phase_b)["SDPA reference chunk"]
-    assert chunk == dict(sdpa8.phase_b)["SDPA reference chunk"] == 3 * M.SCORE_BUDGET["cuda"]
-    assert chunk == dict(M.estimate(replace(shape, flash=False, seq_len=8192)).phase_b)["SDPA reference chunk"]
+    ref_chunk = lambda e: dict(dict(e.phase_b_max)["draft backward"])["SDPA reference chunk"]  # noqa: E731
+    bound = 3 * M.SCORE_BUDGET["cuda"] / 2        # scores (mask + weights) <= the budget, 1 + 2 bytes each
+    for est in (sdpa1, sdpa8, M.estimate(replace(shape, flash=False, seq_len=8192))):
+        assert 0.7 * bound <= ref_chunk(est) <= bound
+    assert ref_chunk(sdpa8) == pytest_approx_rel(ref_chunk(sdpa1), 0.05)
     assert sdpa8.peak < sdpa1.peak < 1.5 * one.peak
     assert "sequence parallel 8 (16384 tokens per GPU)" in eight.lines()[0]
     warning = M.fit_warning(one, 80 * M.GiB, "--gpu-mem 80")
@@ -71,6 +73,12 @@ def test_memory_divides_the_sequence_part_by_sp_and_names_the_sp_a_length_needs(
     # Qwen2.5-7B's 28 heads allow SP 1, 2, 4 only: the tip never names 8.
     q7 = replace(shape, size=QWEN7B, seq_len=524288)
     assert M.sequence_parallel_needed(M.estimate(q7), 80 * M.GiB) in (None, 2, 4)
+
+
+def pytest_approx_rel(x, rel):
+    import pytest
+
+    return pytest.approx(x, rel=rel)
 
 
 def pytest_approx(x):

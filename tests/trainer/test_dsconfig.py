@@ -247,3 +247,25 @@ def test_deepspeed_builds_torch_fused_adamw_from_that_block():
     cls, kwargs = engine.get_optimizer_configuration(params, adam_w_mode=True)
     opt = cls([torch.nn.Parameter(torch.zeros(2))], **params, **kwargs)
     assert isinstance(opt, torch.optim.AdamW) and opt.defaults["fused"] is True
+
+
+def test_the_reduce_bucket_is_sized_to_the_draft_unless_the_block_sets_one():
+    """DeepSpeed allocates reduce_bucket_size elements whatever the model (default 5e8: 1 GB in
+    bf16, twice a 7B target's draft): the trainer asks for the draft's own count, up to that
+    default; a size in ds_cfg stands, and ZeRO-0 gets none."""
+    conf = base_conf()
+    ds, _ = dsconfig.build_ds_config(conf, world_size=1, total_steps=100, warmup_steps=10, on_cpu=False,
+                                     draft_trainable=259_000_000)
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 259_000_000
+    ds, _ = dsconfig.build_ds_config(conf, world_size=1, total_steps=100, warmup_steps=10, on_cpu=False,
+                                     draft_trainable=900_000_000)
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 500_000_000
+    conf["ds_cfg"]["zero_optimization"]["reduce_bucket_size"] = 2e8
+    ds, _ = dsconfig.build_ds_config(conf, world_size=1, total_steps=100, warmup_steps=10, on_cpu=False,
+                                     draft_trainable=259_000_000)
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 2e8
+    conf = base_conf()
+    conf["ds_cfg"]["zero_optimization"] = {"stage": 0}
+    ds, _ = dsconfig.build_ds_config(conf, world_size=1, total_steps=100, warmup_steps=10, on_cpu=False,
+                                     draft_trainable=259_000_000)
+    assert "reduce_bucket_size" not in ds["zero_optimization"]

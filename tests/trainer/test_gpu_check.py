@@ -23,22 +23,49 @@ def test_shell_script_parses():
     assert proc.returncode == 0, proc.stderr
 
 
-def test_step_benchmark_dry_run_writes_the_report(tmp_path):
-    """The step through the trainer's own DeepSpeed engine (its own process: it starts torch.distributed)."""
+def test_step_benchmark_dry_run_measures_the_estimate_against_the_real_engine(tmp_path):
+    """The step through the trainer's own DeepSpeed engine (its own process: it starts
+    torch.distributed) on a one-layer Qwen2.5-0.5B-shaped target in bf16, as on a GPU: the live
+    tensors' peak (hostmem.TensorPeak) within 15% of the preflight's estimate at two lengths, and
+    DeepSpeed's reduce bucket sized to the draft (its default, 5e8 elements, is allocated whatever
+    the model: 1 GB in bf16, 60x this draft's gradients)."""
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "step.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry-run", "--out", str(out),
-                           "--seq", "48", "--steps", "2", "--warmup", "0"], env=env, capture_output=True,
-                          text=True, timeout=300)
+                           "--target", "qwen2.5-0.5b", "--layers", "1", "--precision", "bf16",
+                           "--seq", "256", "1024", "--steps", "1", "--warmup", "1"],
+                          env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rep = json.loads(out.read_text())
     assert rep["dry_run"] and rep["kernels"] == {"attention": "sdpa", "linear_cross_entropy": "chunked"}
     assert rep["optimizer"] == "deepspeed" and rep["zero_optimization"]["stage"] == 1
-    (r,) = rep["results"]
-    assert r["seq_len"] == 48 and r["tokens_per_s"] > 0 and r["finite"]
-    assert r["estimate_bytes"] > 0                    # the preflight's estimate for the same shape
+    assert rep["engine_reduce_bucket_size"] == rep["draft_trainable_params"]
+    assert [r["seq_len"] for r in rep["results"]] == [256, 1024]
+    for r in rep["results"]:
+        assert r["tokens_per_s"] > 0 and r["finite"]
+        assert 0.85 <= r["measured_over_estimate"] <= 1.15, r
     # the real run's shape is Qwen2.5-7B's
     assert mod.QWEN25_7B["num_hidden_layers"] == 28 and mod.QWEN25_7B["hidden_size"] == 3584
+
+
+def test_tensor_peak_counts_live_storages():
+    """hostmem.TensorPeak: what was live at the start, each new storage from its op to its release."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import hostmem
+
+    w = torch.ones(256, 1024)                         # 1 MiB, live before
+    with hostmem.TensorPeak() as tp:
+        a = torch.ones(512, 1024)                     # 2 MiB
+        b = a * 2                                     # 2 MiB: 5 live
+        del a
+        c = b @ w.T                                   # 0.5 MiB: 3.5 live
+        del b, c
+        d = torch.ones(256, 1024)                     # 1 MiB: 2 live
+    assert tp.base >= w.numel() * 4
+    assert tp.peak - tp.base == 4 * 1024 * 1024
+    assert tp.live - tp.base == 1024 * 1024 and d.sum() > 0
