@@ -187,15 +187,17 @@ class MemoryEstimate:
                                     ("optimizer step", self.phase_c, phases["optimizer step"])):
             parts = [f"{w} {gib(b)}" for w, b in items if b >= 0.005 * GiB]
             if items is self.phase_b and self.phase_b_max:
-                def alt_text(name, alt):
-                    shown = ", ".join(f"{w} {gib(b)}" for w, b in alt if b >= 0.005 * GiB)
-                    return f"{name} {gib(sum(b for _, b in alt))}" + (f" ({shown})" if shown else "")
-                parts.append("then the larger of " + " | ".join(alt_text(n, a) for n, a in self.phase_b_max))
+                parts.append("then the larger of " + " | ".join(_moment_text(n, a) for n, a in self.phase_b_max))
             if items or total:
                 out.append(f"  {title:<15} {gib(total):>10}  " + ", ".join(parts))
         if self.cpu_offload_per_node:
             out.append(f"  CPU RAM (offloaded optimizer, per node): {gib(self.cpu_offload_per_node)}")
         return out
+
+
+def _moment_text(name: str, items: list[tuple[str, float]]) -> str:
+    shown = ", ".join(f"{w} {gib(b)}" for w, b in items if b >= 0.005 * GiB)
+    return f"{name} {gib(sum(b for _, b in items))}" + (f" ({shown})" if shown else "")
 
 
 def _sp_text(s: StageShape) -> str:
