@@ -60,6 +60,7 @@ def parse(argv=None) -> argparse.Namespace:
                     "dry run tiny); on the CPU the step's peak RSS is measured against the estimate")
     ap.add_argument("--layers", type=int, help="target layers (default: the shape's)")
     ap.add_argument("--precision", choices=("bf16", "fp32"), help="default bf16 (dry run fp32)")
+    ap.add_argument("--zero", type=int, choices=(1, 3), default=1, help="the DeepSpeed engine's ZeRO stage")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per length")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--window", type=int, default=512)
@@ -119,10 +120,11 @@ def estimate_bytes(dims: dict, seq: int, window: int, flash: bool, on_cuda: bool
     return estimate(shape).peak
 
 
-def deepspeed_engine(model, device, precision: str):
+def deepspeed_engine(model, device, precision: str, zero_stage: int = 1):
     """The draft in a DeepSpeed engine as a one-GPU stage builds it: the trainer's default config
-    through longspec.training.dsconfig (ZeRO-1 without offload: fused torch AdamW, fp32 master
-    weights and moments on the GPU), torch.distributed bound to this device through longspec.model.comm."""
+    through longspec.training.dsconfig (ZeRO-1, or 3, without offload: fused torch AdamW, fp32
+    master weights and moments on the GPU), torch.distributed bound to this device through
+    longspec.model.comm."""
     import socket
 
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if device.type == "cuda" else "cpu")
@@ -144,7 +146,7 @@ def deepspeed_engine(model, device, precision: str):
     conf = yaml.safe_load((ROOT / "longspec" / "conf" / "config.yaml").read_text())
     conf.update(per_gpu_train_batch_size=1, gradient_accumulation_steps=1, global_batch_size=None,
                 precision=precision, sequence_parallel_size=1,
-                ds_cfg={"zero_optimization": {"stage": 1}})
+                ds_cfg={"zero_optimization": {"stage": zero_stage}})
     ds_conf, _ = dsconfig.build_ds_config(conf, world_size=1, total_steps=1000, warmup_steps=10,
                                           on_cpu=device.type != "cuda",
                                           draft_trainable=sum(p.numel() for p in model.trainable_parameters()))
@@ -244,8 +246,10 @@ def main(argv=None) -> int:
     model = build_glide(target, sliding_window=a.window, dtype=dtype).to(device)
     built_s = time.perf_counter() - t0
     flash = chosen["attention"] != "sdpa"            # a fused rung: no mask kept for backward
-    engine, ds_conf = deepspeed_engine(model, device, precision) if a.optimizer == "deepspeed" else (None, None)
-    zero = 1 if engine is not None else 0
+    counts = {"target_params": sum(p.numel() for p in model.target.parameters()),      # before ZeRO-3
+              "draft_trainable_params": sum(p.numel() for p in model.trainable_parameters())}  # partitions them
+    engine, ds_conf = deepspeed_engine(model, device, precision, a.zero) if a.optimizer == "deepspeed" else (None, None)
+    zero = a.zero if engine is not None else 0
     results, stop = [], None
     for seq in seqs:
         est = estimate_bytes(dims, seq, a.window, flash, device.type == "cuda", precision, zero,
@@ -278,8 +282,7 @@ def main(argv=None) -> int:
         "zero_optimization": (ds_conf or {}).get("zero_optimization"),
         "engine_reduce_bucket_size": getattr(getattr(engine, "optimizer", None), "reduce_bucket_size", None), "target_attention": model.target.config._attn_implementation,
         "attention_calls": dict(attention.CHOSEN),
-        "target_shape": dims, "target_params": sum(p.numel() for p in model.target.parameters()),
-        "draft_trainable_params": sum(p.numel() for p in model.trainable_parameters()),
+        "target_shape": dims, **counts,
         "dtype": str(dtype).replace("torch.", ""), "sliding_window": a.window, "build_s": round(built_s, 2),
         "steps": a.steps, "warmup": a.warmup, "results": results,
     }

@@ -23,25 +23,27 @@ def test_shell_script_parses():
     assert proc.returncode == 0, proc.stderr
 
 
-def test_step_benchmark_dry_run_measures_the_estimate_against_the_real_engine(tmp_path):
+@pytest.mark.parametrize("zero", [1, 3])
+def test_step_benchmark_dry_run_measures_the_estimate_against_the_real_engine(tmp_path, zero):
     """The step through the trainer's own DeepSpeed engine (its own process: it starts
-    torch.distributed) on a one-layer Qwen2.5-0.5B-shaped target in bf16, as on a GPU: the live
-    tensors' peak (hostmem.TensorPeak) within 15% of the preflight's estimate at two lengths, and
-    DeepSpeed's reduce bucket sized to the draft (its default, 5e8 elements, is allocated whatever
-    the model: 1 GB in bf16, 60x this draft's gradients)."""
+    torch.distributed) on a one-layer Qwen2.5-0.5B-shaped target in bf16, as on a GPU, under ZeRO-1
+    (the base stage) and ZeRO-3 (the long ones): the live tensors' peak (hostmem.TensorPeak) within
+    15% of the preflight's estimate at two lengths, and DeepSpeed's reduce bucket sized to the
+    draft (its default, 5e8 elements, is allocated whatever the model: 1 GB in bf16, 60x this
+    draft's gradients)."""
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "bench" / "gpu_check.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "step.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry-run", "--out", str(out),
-                           "--target", "qwen2.5-0.5b", "--layers", "1", "--precision", "bf16",
+                           "--target", "qwen2.5-0.5b", "--layers", "1", "--precision", "bf16", "--zero", str(zero),
                            "--seq", "256", "1024", "--steps", "1", "--warmup", "1"],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rep = json.loads(out.read_text())
     assert rep["dry_run"] and rep["kernels"] == {"attention": "sdpa", "linear_cross_entropy": "chunked"}
-    assert rep["optimizer"] == "deepspeed" and rep["zero_optimization"]["stage"] == 1
+    assert rep["optimizer"] == "deepspeed" and rep["zero_optimization"]["stage"] == zero
     assert rep["engine_reduce_bucket_size"] == rep["draft_trainable_params"]
     assert [r["seq_len"] for r in rep["results"]] == [256, 1024]
     for r in rep["results"]:
