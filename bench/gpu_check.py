@@ -16,12 +16,14 @@ memory) ends the run, the lengths after it are recorded as skipped, with the rea
 counted here (``step_flops``: every matrix product of the target's forward with its attention, the
 draft's forward and backward with both attentions, both losses' lm_head products) and divided by
 the step time. The estimate is longspec_cli.core.memory.estimate for the same shape (world 1,
-ZeRO-1 without offload for the DeepSpeed step, the attention kernel actually chosen). Memory is
+ZeRO-1, or --zero 3, without offload for the DeepSpeed step, the attention kernel actually chosen). Memory is
 measured three ways: the caching allocator's peak of live tensors (max_memory_allocated), its
 peak reserved (max_memory_reserved: what it holds from the driver), and the device's peak, the
 reserved peak plus what the process holds outside the allocator (CUDA context, cuBLAS and NCCL;
 the device's used memory less the reserved bytes, read after the steps). The estimate answers
-"will it fit", so the JSON's ratio is device peak over estimate.
+"will it fit", so the JSON's ratio is device peak over estimate. On the CPU (--dry-run) memory is
+the peak of live tensor storages over the steps (bench/hostmem.TensorPeak, counted like
+max_memory_allocated), against the estimate without the CUDA runtime.
 """
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true", help="on the CPU (default target tiny: checks the script)")
     ap.add_argument("--seq", type=int, nargs="+", help="sequence lengths (default 8192 16384 32768 65536; dry run 64 128)")
     ap.add_argument("--target", choices=sorted(TARGETS), help="the target's shape (default qwen2.5-7b; "
-                    "dry run tiny); on the CPU the step's peak RSS is measured against the estimate")
+                    "dry run tiny); on the CPU the peak of live tensors is measured against the estimate")
     ap.add_argument("--layers", type=int, help="target layers (default: the shape's)")
     ap.add_argument("--precision", choices=("bf16", "fp32"), help="default bf16 (dry run fp32)")
     ap.add_argument("--zero", type=int, choices=(1, 3), default=1, help="the DeepSpeed engine's ZeRO stage")

@@ -1,7 +1,8 @@
 """Per-GPU memory estimate of one training stage: arithmetic on sizes, nothing measured.
 
     persistent  target weights (precision bytes; ZeRO-3: / world, plus the gathered working set)
-                draft weights; draft gradients outside DeepSpeed's reduce bucket (ZeRO-2/3: / world)
+                draft weights; draft gradients (ZeRO-2/3: / world; ZeRO-1/2: only when gradients
+                accumulate, with their reduce bucket, else from the backward to the step)
                 ZeRO-3's reduce bucket (allocated once)
                 Adam: fp32 master + 2 moments (ZeRO >= 1: / world; 0 on the GPU when offloaded;
                 ZeRO-1/2 copy the master even from fp32 weights)
@@ -12,9 +13,9 @@
                 the hidden states; then the larger of two moments: the loss's forward (one chunk
                 of logits: Liger's or longspec's, ``loss_chunk_bytes``) or the draft's backward
                 (its transient, the SDPA reference's largest chunk where the attention is not
-                fused, and ZeRO-1/2's reduce bucket, allocated when the first gradient is made:
-                the gradients are made inside it)
-    phase C     the optimizer step: ZeRO-1/2's reduced gradients and their fp32 copy
+                fused, and ZeRO-1/2's gradients with the reduce bucket, allocated when the first
+                gradient is made)
+    phase C     the optimizer step: ZeRO-1/2's gradients and their partition's fp32 copy
     peak        persistent + max(phase A, phase B, phase C)
 
 DeepSpeed allocates the whole reduce bucket whatever the model's size; the trainer sizes it to
@@ -138,10 +139,11 @@ class StageShape:
     prefetch_params: int = 100_000_000  # stage3_prefetch_bucket_size
     cuda: bool = True  # False: a CPU run (no CUDA context; the estimate is informational)
     sequence_parallel: int = 1  # SP ranks share each sequence (DeepSpeed Ulysses)
-    loss_kernel: str = "chunked"  # "liger" where Liger's fused loss runs (CUDA, installed), else longspec's
+    loss_kernel: str = "chunked"  # "liger" (Liger's fused loss), "chunked" (longspec's) or "either": the larger
     reduce_bucket: int | None = None  # zero_optimization.reduce_bucket_size (elements); None: the trainer's
     overlap_comm: bool = False  # zero_optimization.overlap_comm (ZeRO-1/2: a second bucket)
     contiguous_gradients: bool = True  # zero_optimization.contiguous_gradients (DeepSpeed's default)
+    grad_accumulation: int = 1  # gradient_accumulation_steps: ZeRO-1/2 then hold gradients across micro-steps
 
 
 @dataclass
@@ -229,16 +231,23 @@ def estimate(s: StageShape, ranks_per_node: int | None = None) -> MemoryEstimate
         est.persistent.append(("ZeRO-3 gathered", (biggest + min(s.prefetch_params, m.layer_params())) * p))
     est.persistent.append(("draft weights", draft_all * p / (W if z3 else 1)))
     z12 = s.zero_stage in (1, 2)
-    in_bucket = z12 and s.contiguous_gradients
     reduce_bucket = reduce_bucket_elements(draft_train, s.reduce_bucket)
-    # ZeRO-1/2 with contiguous gradients allocate the reduce bucket (reduce_bucket_size elements,
-    # whatever the draft's size; two with overlap_comm) when the backward makes its first gradient,
-    # and the gradients are made inside it; what does not fit is moved to the rank's partition.
-    bucket = reduce_bucket * p * (2 if s.overlap_comm else 1) if in_bucket else 0
-    grads_kept = (max(0, draft_train - reduce_bucket) if in_bucket else draft_train) * p
-    if grads_kept:
-        est.persistent.append(("draft grads" + (" past the bucket" if in_bucket else ""),
-                               grads_kept / (W if s.zero_stage >= 2 else 1)))
+    # Gradients. ZeRO-0/3 keep theirs (ZeRO-3 in a partition buffer allocated at start). ZeRO-1/2
+    # make them at the backward and hold them to the optimizer step, across the next micro-steps'
+    # forwards too when gradients accumulate: ZeRO-1 each parameter's whole gradient, ZeRO-2 its
+    # partition. Beside them the reduce bucket (reduce_bucket_size elements whatever the draft's
+    # size; two with overlap_comm), allocated at the first gradient and released at the step.
+    grads = draft_train * p / (W if s.zero_stage >= 2 else 1)
+    held: list[tuple[str, float]] = []          # ZeRO-1/2: from the backward to the step
+    if z12:
+        held.append(("draft grads", grads))
+        if s.contiguous_gradients:
+            held.append(("reduce bucket", reduce_bucket * p * (2 if s.overlap_comm else 1)))
+    else:
+        est.persistent.append(("draft grads", grads))
+    accumulating = z12 and s.grad_accumulation > 1
+    if accumulating:
+        est.persistent.extend((f"{what} (accumulating)", b) for what, b in held)
     if z3 and s.contiguous_gradients:
         # ZeRO-3 allocates its reduce bucket once, at start, beside the gradient partitions
         est.persistent.append(("reduce bucket", reduce_bucket * p))
@@ -271,16 +280,17 @@ def estimate(s: StageShape, ranks_per_node: int | None = None) -> MemoryEstimate
         # The reference path: query chunks within SCORE_BUDGET, checkpointed when several, so one
         # chunk's mask (1 byte) and weights (p bytes) live at a time, whatever the length or SP.
         backward.append(("SDPA reference chunk", reference_chunk_bytes(s)))
-    if bucket:
-        backward.append(("reduce bucket", bucket))
-    elif z12:   # without contiguous gradients: a bucket's gradients flattened when it is reduced
-        backward.append(("reduce bucket", min(draft_train, reduce_bucket) * p))
+    if not accumulating:
+        backward.extend(held)
+    if z12 and not s.contiguous_gradients:   # a bucket's gradients flattened when it is reduced
+        backward.append(("reduce flatten", min(draft_train, reduce_bucket) * p))
     est.phase_b_max.append(("draft backward", backward))
 
-    # --- phase C: the optimizer step (activations gone): ZeRO-1/2 keep the reduced gradients of
-    # the rank's partition and flatten them into fp32 for the step
+    # --- phase C: the optimizer step (activations gone): ZeRO-1/2 hold the gradients and flatten
+    # the rank's partition into fp32 for the step
     if z12 and not s.offload_optimizer:
-        est.phase_c.append(("reduced grads", draft_train * p / W))
+        if not accumulating:
+            est.phase_c.append(("draft grads", grads))
         est.phase_c.append(("fp32 grads", 4 * draft_train / W))
     return est
 
@@ -313,15 +323,16 @@ def query_chunks(rows: int, B: int, nh: int, keys: int, budget: int, q_chunk: in
 def reference_chunk_bytes(s: StageShape) -> float:
     """The largest chunk of the reference attention in training: its mask (1 byte) and weights
     (the precision) per score, B x heads x queries x keys. The windowed self-attention's band
-    chunks; the cross-attention's chunks only where a batch can hold padding (micro batch > 1:
-    unpadded, it is one call of SDPA's causal path and keeps no scores)."""
+    chunks; the cross-attention's chunks only where a batch can hold padding (micro batch > 1, or
+    sequence parallel padding the length to a multiple of SP; unpadded, it is one call of SDPA's
+    causal path and keeps no scores)."""
     m, p = s.size, PRECISION_BYTES[s.precision]
     B, T = s.micro_batch, max(1, s.seq_len)
     nh = max(1, m.heads // max(1, s.sequence_parallel))      # Ulysses: all T tokens of nh / SP heads
     budget = SCORE_BUDGET["cuda" if s.cuda else "cpu"]
     rows = query_chunks(T, B, nh, T, budget, window=s.sliding_window)[0]
     scores = B * nh * rows * min(T, rows + s.sliding_window)
-    if B > 1:
+    if B > 1 or T % max(1, s.sequence_parallel):     # padding: several rows, or SP's pad to a multiple
         rows = query_chunks(T, B, nh, T, budget)[0]
         scores = max(scores, B * nh * rows * T)
     return scores * (1 + p)
@@ -348,12 +359,12 @@ def loss_chunk_bytes(s: StageShape, tokens: float) -> float:
     dtype on CUDA, and its own fp32 copy elsewhere."""
     m, p = s.size, PRECISION_BYTES[s.precision]
     n = max(1, int(tokens))
-    if s.loss_kernel == "liger":
-        rows = min(n, 1 << max(0, math.ceil(n / math.ceil(m.vocab / m.hidden)) - 1).bit_length())
-        return rows * m.vocab * p
+    rows = min(n, 1 << max(0, math.ceil(n / math.ceil(m.vocab / m.hidden)) - 1).bit_length())
+    liger = rows * m.vocab * p
     rows = min(s.loss_chunk or DEFAULT_CE_CHUNK, n)
     extra = (rows * m.vocab * p if s.cuda else m.vocab * m.hidden * 4) if p < 4 else 0
-    return rows * m.vocab * 4 + extra
+    chunked = rows * m.vocab * 4 + extra
+    return {"liger": liger, "chunked": chunked}.get(s.loss_kernel, max(liger, chunked))
 
 
 def fit_warning(est: MemoryEstimate, capacity_bytes: float | None, where: str, margin: float = 0.95) -> str | None:

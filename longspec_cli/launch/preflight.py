@@ -132,12 +132,12 @@ def stage_shape(manifest: Manifest, spec: StageSpec, overrides: list[str], res: 
         sliding_window=get(data.get("draft"), "sliding_window", 512),
         prefetch_params=_count(zero.get("stage3_prefetch_bucket_size"), 100_000_000), cuda=not res.cpu,
         sequence_parallel=max(1, get(data, "sequence_parallel_size", 1)),
-        # Liger's loss only where `kernels: fused` requires it; under `auto` the chunked loss's
-        # larger chunk, as a node without liger-kernel would run
-        loss_kernel="liger" if flash and data.get("kernels") == "fused" else "chunked",
+        # Liger's loss where `kernels: fused` requires it; under `auto` a node may run either
+        loss_kernel="liger" if flash and data.get("kernels") == "fused" else ("either" if flash else "chunked"),
         reduce_bucket=_count(zero.get("reduce_bucket_size"), 0) or None,
         overlap_comm=_flag(zero.get("overlap_comm"), get(zero, "stage", 0) >= 3),
         contiguous_gradients=_flag(zero.get("contiguous_gradients"), True),
+        grad_accumulation=max(1, get(data, "gradient_accumulation_steps", 1)),
     )
 
 

@@ -106,3 +106,22 @@ def test_report_lines_name_the_parts():
     text = "\n".join(M.estimate(qwq_stage()).lines())
     for word in ("per-GPU memory estimate", "target weights", "draft grads", "loss chunk", "ZeRO-1"):
         assert word in text
+
+
+def test_zero12_gradients_and_bucket_are_held_across_accumulated_micro_steps():
+    """ZeRO-1/2 make the gradients (and allocate the reduce bucket) at the backward and keep them
+    to the optimizer step: with one micro-step they belong to the backward and the step; when
+    gradients accumulate they live through the next micro-steps' forwards too (DeepSpeed 0.19:
+    reduce_gradients runs at the accumulation boundary only)."""
+    size = M.ModelSize(hidden=3584, layers=28, heads=28, kv_heads=4, intermediate=18944, vocab=152064)
+    shape = M.StageShape(size=size, zero_stage=1, offload_optimizer=False, seq_len=8192)
+    one, many = M.estimate(shape), M.estimate(M.StageShape(**{**shape.__dict__, "grad_accumulation": 8}))
+    draft = size.draft_params()[1]
+    assert "draft grads" not in dict(one.persistent)
+    assert dict(dict(one.phase_b_max)["draft backward"])["draft grads"] == draft * 2
+    assert dict(dict(one.phase_b_max)["draft backward"])["reduce bucket"] == draft * 2   # sized to the draft
+    assert dict(many.persistent)["draft grads (accumulating)"] == draft * 2
+    assert dict(many.persistent)["reduce bucket (accumulating)"] == draft * 2
+    assert many.peak > one.peak
+    big = M.estimate(M.StageShape(**{**shape.__dict__, "reduce_bucket": 500_000_000}))
+    assert dict(dict(big.phase_b_max)["draft backward"])["reduce bucket"] == 500_000_000 * 2
