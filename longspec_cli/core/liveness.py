@@ -93,12 +93,26 @@ def cmdline(pid: int) -> list[str]:
 def file_holders(path: str | os.PathLike) -> list[int]:
     """Live processes that hold `path` open (those this user may read: a file in the user's own
     cache is not held by another user's processes)."""
-    target = os.path.realpath(path)
-    holders = []
+    return sorted(_holders([path]).get(os.path.realpath(path), ()))
+
+
+def held_open(paths) -> set[str]:
+    """The real paths among `paths` that some live process holds open: one pass over the
+    processes for all of them."""
+    return set(_holders(paths))
+
+
+def _holders(paths) -> dict[str, set[int]]:
+    targets = {os.path.realpath(p) for p in paths}
+    found: dict[str, set[int]] = {}
+    if not targets:
+        return found
     for p in psutil.process_iter():
         try:
-            if any(os.path.realpath(f.path) == target for f in p.open_files()):
-                holders.append(p.pid)
+            for f in p.open_files():
+                real = os.path.realpath(f.path)
+                if real in targets:
+                    found.setdefault(real, set()).add(p.pid)
         except psutil.Error:
             continue
-    return holders
+    return found

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from longspec_cli.core.liveness import file_holders
+from longspec_cli.core.liveness import held_open
 
 
 def ops_build_dir() -> str:
@@ -44,9 +44,14 @@ def _inode(path: Path) -> tuple[int, int] | None:
 def stale_locks(folder: str | os.PathLike, settle: float = 0.5) -> list[Path]:
     """The op locks under `folder` that no process holds open, and still the same file `settle`
     seconds later (a build that just ended closes its lock, then deletes it)."""
-    first = {lock: _inode(lock) for lock in sorted(Path(folder).glob("*/lock")) if not file_holders(lock)}
+    locks = sorted(Path(folder).glob("*/lock"))
+    if not locks:
+        return []
+    held = held_open(locks)
+    first = {lock: _inode(lock) for lock in locks if os.path.realpath(lock) not in held}
     if not first:
         return []
     time.sleep(settle)
+    held = held_open(first)
     return [lock for lock, inode in first.items()
-            if inode is not None and _inode(lock) == inode and not file_holders(lock)]
+            if inode is not None and _inode(lock) == inode and os.path.realpath(lock) not in held]
