@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from longspec_cli.core.runfolder import config_fingerprint  # noqa: E402  (pure, cheap)
+from longspec.runs.runfolder import config_fingerprint  # noqa: E402  (pure, cheap)
 
 STAGE = """\
 # @package _global_
@@ -125,7 +125,7 @@ HYDRA_ALONE = """
 import sys
 import typer, ruamel.yaml
 from pathlib import Path
-from longspec_cli.core.hydracompose import hydra_compose, trainer_conf_dir
+from longspec.project.hydracompose import hydra_compose, trainer_conf_dir
 for name in ("base", "long", "longcot"):
     hydra_compose(trainer_conf_dir(), "config", [Path(sys.argv[1]) / "conf"], [f"+exp={name}"])
 """

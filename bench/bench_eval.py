@@ -55,9 +55,9 @@ def main() -> int:
         p = sh([*cli, "run", str(args.project), "--all", "--quiet"])
         print(f"longspec run --all: exit {p.returncode} in {time.time() - t0:.0f}s")
 
-    from longspec_cli.core.manifest import load_manifest
-    from longspec_cli.core.quality import baseline_draft, length_label
-    from longspec_cli.core.status import project_status
+    from longspec.project.manifest import load_manifest
+    from longspec.runs.quality import baseline_draft, length_label
+    from longspec.runs.status import project_status
 
     manifest = load_manifest(args.project)
     stages = [s for s in project_status(manifest) if s.state in ("done", "stale")]

@@ -25,12 +25,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from longspec_cli.core import runfolder  # noqa: E402
-from longspec_cli.core.manifest import load_manifest  # noqa: E402
+from longspec.runs import runfolder  # noqa: E402
+from longspec.project.manifest import load_manifest  # noqa: E402
 from longspec_cli.launch import argv as A  # noqa: E402
 from longspec_cli.launch import disk as D  # noqa: E402
 from longspec_cli.launch import preflight  # noqa: E402
-from longspec_cli.core.liveness import group_members  # noqa: E402
+from longspec.machine.liveness import group_members  # noqa: E402
 
 CLI = [sys.executable, "-m", "longspec_cli"]
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 import psutil  # noqa: E402
 
-from longspec_cli.core import runfolder  # noqa: E402
+from longspec.runs import runfolder  # noqa: E402
 from tests.cluster.ssh import SshNodes  # noqa: E402
 
 CLI = [sys.executable, "-m", "longspec_cli"]

@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from longspec_cli.core.quality import length_rows, method_figures  # noqa: E402  (eval.json's reader)
+from longspec.runs.quality import length_rows, method_figures  # noqa: E402  (eval.json's reader)
 STAGES = ("base", "long", "longcot")
 HELD_PROMPT_RECORDS = 16          # the last records of each stage's original data
 

@@ -5,7 +5,7 @@
 One forward of the draft (and its loss) under ``torch.autograd.graph.saved_tensors_hooks`` on a
 random-weight Qwen2-shaped target with one layer (the draft's shapes follow the target's width,
 not its depth), bf16, on the CPU: every tensor autograd saves is counted once by its storage,
-parameters left out. Printed per token, by shape, beside longspec_cli.core.memory's
+parameters left out. Printed per token, by shape, beside longspec.machine.memory's
 "draft activations" term, (20 H + 4 kv_dim + 4 I) x bytes per token. On the CPU the attention is
 the reference path (one SDPA call per attention at these lengths, its boolean mask included).
 """

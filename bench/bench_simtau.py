@@ -47,7 +47,7 @@ def demo(d: Path) -> None:
 
 
 def records(run: Path) -> dict[int, dict]:
-    from longspec_cli.core import runfolder
+    from longspec.runs import runfolder
 
     return {r["step"]: r for r in runfolder.read_metrics(run / runfolder.METRICS).simtau}
 
@@ -63,7 +63,7 @@ def eval_draft(run: Path, draft: Path) -> dict:
 
 def drafts(run: Path) -> dict[int, Path]:
     """step -> draft file of the stage: kept checkpoints, best/, the final draft."""
-    from longspec_cli.core import runfolder
+    from longspec.runs import runfolder
 
     out = {}
     for c in sorted(run.glob("checkpoint-*")):
@@ -119,7 +119,7 @@ def agreement(d: Path) -> None:
 
 
 def cost(d: Path) -> None:
-    from longspec_cli.core import runfolder
+    from longspec.runs import runfolder
 
     print("cost (metrics.jsonl: evaluations + continuations; over the stage's wall time, run.json's start to end, "
           "and over the trainer's, the `end` event's elapsed_s):")

@@ -21,7 +21,7 @@ through host memory): the memory figure holds, the time does not. On the CPU the
 takes the reference path (chunked SDPA with a boolean mask; every chunk's scores within
 attention.SCORE_BUDGET, checkpointed in training).
 
-Estimated part: longspec_cli.core.memory.estimate (bf16, ZeRO-3 + optimizer offload, flash-attn,
+Estimated part: longspec.machine.memory.estimate (bf16, ZeRO-3 + optimizer offload, flash-attn,
 micro batch 1) for Llama-3.1-8B and QwQ-32B at 64k and 128k tokens on 8 GPUs of 141 and 80 GiB:
 the peak per GPU at SP 1, 2, 4, 8 and the smallest SP that fits 95% of the GPU.
 """
@@ -185,8 +185,8 @@ def per_token(runs: list[dict]) -> list[dict]:
 def estimates() -> list[dict]:
     from dataclasses import replace
 
-    from longspec_cli.core import presets
-    from longspec_cli.core import memory as M
+    from longspec.project import presets
+    from longspec.machine import memory as M
 
     rows = []
     for name in ("llama3.1-8b-instruct", "qwq-32b-preview"):

@@ -73,7 +73,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from longspec.tiny import build_tiny
-    from longspec_cli.core.runfolder import read_metrics
+    from longspec.runs.runfolder import read_metrics
 
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench-stage1-"))
     try:

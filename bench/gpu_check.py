@@ -15,7 +15,7 @@ offload, bf16, torch's fused AdamW, fp32 master weights and moments: what a stag
 memory) ends the run, the lengths after it are recorded as skipped, with the reason. FLOPs are
 counted here (``step_flops``: every matrix product of the target's forward with its attention, the
 draft's forward and backward with both attentions, both losses' lm_head products) and divided by
-the step time. The estimate is longspec_cli.core.memory.estimate for the same shape (world 1,
+the step time. The estimate is longspec.machine.memory.estimate for the same shape (world 1,
 ZeRO-1, or --zero 3, without offload for the DeepSpeed step, the attention kernel actually chosen). Memory is
 measured three ways: the caching allocator's peak of live tensors (max_memory_allocated), its
 peak reserved (max_memory_reserved: what it holds from the driver), and the device's peak, the
@@ -113,7 +113,7 @@ def build_target(dims: dict, device, dtype):
 
 def estimate_bytes(dims: dict, seq: int, window: int, flash: bool, on_cuda: bool, precision: str,
                    zero_stage: int, loss_kernel: str = "chunked") -> float:
-    from longspec_cli.core.memory import ModelSize, StageShape, estimate
+    from longspec.machine.memory import ModelSize, StageShape, estimate
 
     size = ModelSize.from_mapping({**dims, "model_type": "qwen2"})
     shape = StageShape(size=size, precision=precision, zero_stage=zero_stage, offload_optimizer=False,

@@ -39,7 +39,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=fals
 [[ $DRY == 1 ]] && export DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES=""
 # DeepSpeed's JIT ops go where longspec's launches put them (one folder per environment), not
 # into torch's shared folder, where another environment's build (or a killed one's lock) waits.
-TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$("$PY" -c 'from longspec_cli.core.opsdir import ops_build_dir; print(ops_build_dir())' 2>/dev/null)}"
+TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$("$PY" -c 'from longspec.machine.opsdir import ops_build_dir; print(ops_build_dir())' 2>/dev/null)}"
 [[ -n "$TORCH_EXTENSIONS_DIR" ]] && export TORCH_EXTENSIONS_DIR
 t_start=$(date +%s)
 say() { echo "[gpu_check $(( $(date +%s) - t_start ))s] $*"; }

@@ -20,7 +20,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from longspec_cli.core import cudaarch, opsdir
+from longspec.machine import cudaarch, opsdir
 
 GIB = 1 << 30
 SHM_MIN = 1 * GIB          # NCCL's shared-memory transport and DataLoader workers want more than Docker's 64 MB
@@ -45,7 +45,7 @@ def torch_checks(torch) -> list[dict]:
         out.append(check("gpus", "info", f"{why}: stages run on the CPU (DeepSpeed's CPU accelerator, gloo)",
                          "for GPUs: a CUDA build of torch and a visible device (nvidia-smi, CUDA_VISIBLE_DEVICES)"))
         return out
-    from longspec_cli.core.gpus import MIB, detect_gpus
+    from longspec.machine.gpus import MIB, detect_gpus
 
     # free memory from nvidia-smi: torch would open a CUDA context on every GPU to say it
     listed = detect_gpus()
@@ -129,7 +129,7 @@ def kernel_checks(torch) -> list[dict]:
 def disk_checks(where: Path) -> list[dict]:
     import psutil
 
-    from longspec_cli.core.diskspace import existing_parent
+    from longspec.runs.diskspace import existing_parent
 
     out = []
     probe = existing_parent(where)

@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from longspec_cli.core import cudaarch
+from longspec.machine import cudaarch
 from longspec.measure.perprompt import METHODS
 from longspec.measure.report import EVAL_NAME
 from longspec.measure.runread import EvalError, as_path, read_run, stage_draft
@@ -100,11 +100,11 @@ def load_models(target: Path, draft: Path, sliding_window: int, dtype, device):
 def check_memory(args, target: Path, max_seq: int, dtype, device) -> None:
     """EvalError 3 before any weight loads when the longest length bucket known now (--lengths, or
     the default buckets of max_seq; --bench's come from its prompts) cannot fit on ``device``
-    (longspec_cli.core.evalmemory: weights + KV cache + prefill; free GPU memory or MemAvailable)."""
+    (longspec.machine.evalmemory: weights + KV cache + prefill; free GPU memory or MemAvailable)."""
     import torch
 
-    from longspec_cli.core import evalmemory as EM
-    from longspec_cli.core.memory import ModelSize
+    from longspec.machine import evalmemory as EM
+    from longspec.machine.memory import ModelSize
 
     lengths = args.lengths or (None if args.bench else EM.default_lengths(max_seq))
     try:
@@ -256,7 +256,7 @@ def evaluate(args: argparse.Namespace, log=None) -> dict:
 
     from longspec.measure import perprompt, report, prompts as P
     from longspec.model.weights import DraftLoadError
-    from longspec_cli.core.atomic import sha256_file
+    from longspec.files.atomic import sha256_file
 
     run_dir = args.run_dir
     conf, complete = read_run(run_dir)
@@ -355,7 +355,7 @@ def evaluate(args: argparse.Namespace, log=None) -> dict:
                               "draft_sha256": sha256_file(bpath) if bpath.is_file() else None}
     result["per_prompt"] = [{k: v for k, v in r.items() if k != "_raw"} for r in rows]
     if not args.no_write:
-        from longspec_cli.core.atomic import atomic_write_json
+        from longspec.files.atomic import atomic_write_json
 
         name = report.result_name(prompts=str(args.prompts) if args.prompts else None, bench=args.bench,
                                       nondefault=nondefault_settings(args))

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from longspec.measure.runread import EvalError, read_run, stage_draft
-from longspec_cli.core.atomic import fsync_path
+from longspec.files.atomic import fsync_path
 
 FORMATS = ("hf", "safetensors")
 FORMAT_VERSION = 1
@@ -185,7 +185,7 @@ def export_draft(weights: Path, target: Path, fmt: str, out: Path, *, sliding_wi
 
     from longspec.model.weights import DraftLoadError, check_draft_state, load_draft_state
     from longspec.model.glide import DraftConfig, GlideDraft
-    from longspec_cli.core.atomic import sha256_file
+    from longspec.files.atomic import sha256_file
 
     if fmt not in FORMATS:
         raise EvalError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}", 2)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from longspec.data.cache import CacheWriteError, UntrainableRefused, default_workers, ensure
-from longspec_cli.core import datafiles, prepared as P
+from longspec.formats import datafiles, prepared as P
 
 # ----------------------------------------------------------------------------- entry point
 
@@ -91,7 +91,7 @@ def main() -> None:
     """`python -m longspec.prepare [--json] --config-dir DIR/conf +exp=STAGE [overrides]`: the stage
     composed by the trainer's own Hydra entry (same primary config and search path)."""
     from longspec.training.entry import implied_config_dir, make_hydra_entry
-    from longspec_cli.core import cudaarch
+    from longspec.machine import cudaarch
 
     cudaarch.fix_environ()                       # an arch list DeepSpeed can parse, if it builds an op
     argv, flags = _take_flags(sys.argv[1:])

@@ -13,7 +13,7 @@ shards), then resumes after the last complete shard; another source, target or s
 (exit 1, the reason) unless --force. A server that gives no answer leaves the rotation
 (longspec.decode.servers); when none has answered for --server-wait seconds (60) the run stops.
 A server's key comes from the environment only (OPENAI_API_KEY, or the variable --api-key-env
-names: longspec_cli.core.serverkeys) and is shown nowhere; a 401 or 403 stops the run at once.
+names: longspec.project.serverkeys) and is shown nowhere; a 401 or 403 stops the run at once.
 
 Exit codes: 0 done, 1 refused (a config error, a key a server refused), 3 unreadable input,
 5 stopped by SIGTERM, 6 stopped because no server answered for --server-wait seconds, 7 done but
@@ -35,11 +35,11 @@ from pathlib import Path
 
 from longspec.data import regen as R
 from longspec.data import regenstore as S
-from longspec_cli.core.regenstate import clear_progress, untrainable_ids, write_progress
-from longspec_cli.errors import ROWS_FAILED, SERVERS_GONE
+from longspec.runs.regenstate import clear_progress, untrainable_ids, write_progress
+from longspec.errors import ROWS_FAILED, SERVERS_GONE
 
 EXIT_REFUSED, EXIT_INPUT, EXIT_TERM, EXIT_INT = 1, 3, 5, 130
-EXIT_SERVERS, EXIT_FAILED = SERVERS_GONE, ROWS_FAILED           # 6, 7 (longspec_cli.errors)
+EXIT_SERVERS, EXIT_FAILED = SERVERS_GONE, ROWS_FAILED           # 6, 7 (longspec.errors)
 INT_FLAGS = ("concurrency", "batch", "prefix-tokens", "max-new-tokens", "shard-rows", "limit", "window",
              "server-wait")
 DEFAULTS = {"out": None, "server": [], "api-key-env": [], "api": "completions", "concurrency": 4, "batch": 8,
@@ -218,7 +218,7 @@ def _served(engine, prompter, rows, progress):
 
 class Progress:
     """One line on stderr every few seconds: rows, rows/s, tokens/s, ETA; and the folder's progress
-    record (longspec_cli.core.regenstate: what `longspec status` shows while this runs)."""
+    record (longspec.runs.regenstate: what `longspec status` shows while this runs)."""
 
     def __init__(self, stage: str, start: int, total: int, writer, out: Path, every: float = 2.0):
         self.stage, self.start, self.total, self.writer, self.every = stage, start, total, writer, every
@@ -299,7 +299,7 @@ def summary_text(r: dict) -> str:
 
 def main() -> None:
     from longspec.training.entry import implied_config_dir, make_hydra_entry
-    from longspec_cli.core import cudaarch
+    from longspec.machine import cudaarch
 
     cudaarch.fix_environ()                       # an arch list DeepSpeed can parse, if it builds an op
     argv, flags = take_flags(sys.argv[1:])

@@ -43,7 +43,7 @@ def run(cfg) -> dict:
 
     conf = read_config(cfg)
     d, train_file = conf["data"], Path(conf["train_file"])
-    from longspec_cli.core.datafiles import names_data
+    from longspec.formats.datafiles import names_data
 
     if not names_data(train_file):
         raise TrainError(f"train_file = {train_file}: file not found")

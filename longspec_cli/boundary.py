@@ -1,6 +1,6 @@
 """The one CLI error boundary: a LongspecError, Ctrl-C or a full disk becomes a message and an exit code.
 
-Every verb's body runs inside `run_cli`; the errors and their codes are `longspec_cli.errors`.
+Every verb's body runs inside `run_cli`; the errors and their codes are `longspec.errors`.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from typing import Callable, TypeVar
 
-from longspec_cli.errors import INTERRUPTED, RUN_FAILED, LongspecError, RunFailed, print_error
+from longspec.errors import INTERRUPTED, RUN_FAILED, LongspecError, RunFailed
 
 T = TypeVar("T")
 
@@ -26,7 +26,7 @@ def run_cli(fn: Callable[[], T]) -> T:
         print("interrupted", file=sys.stderr)
         raise typer.Exit(INTERRUPTED) from None
     except OSError as e:
-        from longspec_cli.core import diskspace
+        from longspec.runs import diskspace
 
         if not diskspace.is_write_failure(e):
             raise
@@ -36,3 +36,22 @@ def run_cli(fn: Callable[[], T]) -> T:
                               f"({diskspace.human(diskspace.free_bytes(path if e.filename else '.'))} free)",
                               hint="free some space and run the command again"))
         raise typer.Exit(RUN_FAILED) from None
+
+
+def print_error(err: LongspecError) -> None:
+    """The red panel; without its box when a word (a path, a command to copy) is wider than the
+    box: a panel folds such a word across lines, so the path or command could not be copied."""
+    from rich.console import Console
+    from rich.panel import Panel
+    from rich.text import Text
+
+    body = Text(err.message)
+    if err.hint:
+        body.append("\n")
+        body.append("hint: ", style="bold")
+        body.append(err.hint)
+    console = Console(stderr=True)
+    if max(map(len, body.plain.split()), default=0) > console.width - 4:   # the box's inner width
+        console.print(Text("error: ", style="bold red") + body, soft_wrap=True)
+        return
+    console.print(Panel(body, title="[bold red]error[/]", title_align="left", border_style="red", expand=False))

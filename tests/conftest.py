@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from longspec_cli.core.opsdir import ops_build_dir
+from longspec.machine.opsdir import ops_build_dir
 from tests.cluster.fixtures import slurm_cluster, ssh_nodes  # noqa: F401  (pytest finds them here)
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", ops_build_dir())

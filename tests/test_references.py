@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from longspec_cli.core import composecache, hydracompose
+from longspec.project import composecache, hydracompose
 
 ROOT = Path(__file__).resolve().parents[1]
 

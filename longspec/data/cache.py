@@ -8,7 +8,7 @@
     PreparedDataset                              the cache served as a torch Dataset (memmap)
     default_workers(collator, size)              how many tokenizing processes a file is worth
 
-The cache layout and its state checks live in longspec_cli.core.prepared (pure, read by `status`).
+The cache layout and its state checks live in longspec.formats.prepared (pure, read by `status`).
 Tokens and labels come from longspec.data.encoding (encode_records), the single owner of them.
 `python -m longspec.prepare` runs `ensure` for a composed stage.
 """
@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from longspec.data.records import DataError
-from longspec_cli.core import datafiles, prepared as P
-from longspec_cli.core.atomic import fsync_path
+from longspec.formats import datafiles, prepared as P
+from longspec.files.atomic import fsync_path
 
 CHUNK_RECORDS = 512          # records per batched tokenizer call / per worker task
 LOCK_POLL_S = 2.0
@@ -40,7 +40,7 @@ class CacheWriteError(Exception):
 
 class UntrainableRefused(DataError):
     """More records train nothing within max_seq_length than data.max_untrainable_share allows
-    (longspec_cli.core.prepared.untrainable_refusal): refused, exit 1, not unreadable input."""
+    (longspec.formats.prepared.untrainable_refusal): refused, exit 1, not unreadable input."""
 
 
 class _Untrained(str):
@@ -231,7 +231,7 @@ def build(train_file: Path, target: str, fields: dict, folder: Path, tokenizer, 
            "histogram": [[1 if b == 0 else (1 << (b - 1)) + 1, 1 << b, hist[b]] for b in sorted(hist)],
            "files": files, "seconds": round(time.monotonic() - t0, 3), "created_at": time.time(),
            "chat_check": _chat_check(train_file, tokenizer, opts)}
-    from longspec_cli.core.atomic import atomic_write_json
+    from longspec.files.atomic import atomic_write_json
 
     atomic_write_json(folder / P.MANIFEST, man)       # the commit point
     _clean_strays(folder, keep=build_id)
@@ -249,7 +249,7 @@ def _chat_check(train_file: Path, tokenizer, opts: Options) -> dict | None:
 
 
 def _source_sha(path: Path) -> str:
-    from longspec_cli.core.runfolder import cached_sha256
+    from longspec.runs.runfolder import cached_sha256
 
     return cached_sha256(path)
 
@@ -335,7 +335,7 @@ def ensure(train_file: str | Path, target: str, data_conf: dict, tokenizer=None,
     from filelock import FileLock, Timeout
 
     from longspec.data import encoding
-    from longspec_cli.core.atomic import lock_path
+    from longspec.files.atomic import lock_path
 
     say = say or (lambda text: print(text, file=sys.stderr, flush=True))
     train_file = Path(train_file)

@@ -1,5 +1,5 @@
 """Reading a train_file's records: JSON/JSONL (a JSON array streamed in chunks, JSONL line by line
-or, for its last records, backwards from its end) and parquet/arrow through core.datafiles. Every
+or, for its last records, backwards from its end) and parquet/arrow through formats.datafiles. Every
 record is named by where it is (`FILE:LINE` or `SHARD:row N`); a bad one raises DataError naming it,
 or is skipped with on_bad_record="skip". longspec.data.encoding re-exports these names.
 """
@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-from longspec_cli.core import datafiles
+from longspec.formats import datafiles
 
 BAD_RECORD_MODES = ("error", "skip")
 ARRAY_CHUNK = 1 << 20  # characters a JSON array file is read by
@@ -25,7 +25,7 @@ class DataError(ValueError):
 def read_records(path, on_bad_record: str = "error", skipped: list[str] | None = None,
                  opened=None) -> Iterator[tuple[Any, dict]]:
     """Yield (where, record) from a train_file: a JSONL or JSON array file (where = its line), or
-    parquet/arrow data as core.datafiles names it (where = a RowAt: file and row). `where(path, at)`
+    parquet/arrow data as formats.datafiles names it (where = a RowAt: file and row). `where(path, at)`
     is the text that names a record.
 
     A line that is not valid JSON or not an object raises DataError("<file>:<line>: ...") or,
@@ -102,7 +102,7 @@ def tail_records(path, k: int, on_bad_record: str = "error", records: int | None
                  ) -> tuple[int, list[tuple[int, Any, dict]]]:
     """(how many records a train_file holds, its last ``k`` as (index, where, record) in order),
     without parsing the rest: parquet and arrow through their footers and last row groups
-    (core.datafiles.tail_rows); a JSONL file read backwards from its end when ``records`` (its
+    (formats.datafiles.tail_rows); a JSONL file read backwards from its end when ``records`` (its
     record count, as heldout.json gives it: the prepared data's) is known, the lines before
     counted only for the line numbers. A JSON array, a small file or an unknown count: read_records
     over the whole file. The same records, `where`s and errors as read_records' last ``k``."""

@@ -31,9 +31,9 @@ from typing import Any
 
 from longspec.data.records import DataError
 from longspec.data.regen import COLUMNS, META_COLUMNS, Row, output_record
-from longspec_cli.core import datafiles
-from longspec_cli.core.atomic import atomic_write_bytes, atomic_write_json
-from longspec_cli.core.regenstate import FORMAT, MANIFEST, target_digest  # one owner: status compares the digest
+from longspec.formats import datafiles
+from longspec.files.atomic import atomic_write_bytes, atomic_write_json
+from longspec.runs.regenstate import FORMAT, MANIFEST, target_digest  # one owner: status compares the digest
 
 COUNTS_KEY = b"longspec.regen.counts"
 FAILED_KEY = b"longspec.regen.failed"
@@ -52,7 +52,7 @@ class RegenRefused(DataError):
 
 def source_fingerprint(train_file) -> dict:
     """The train_file's files with their sizes and content sha256."""
-    from longspec_cli.core.runfolder import cached_sha256
+    from longspec.runs.runfolder import cached_sha256
 
     try:
         files = datafiles.resolve(train_file).files
@@ -64,7 +64,7 @@ def source_fingerprint(train_file) -> dict:
 
 def expectations(train_file, target, collator: str, settings: dict, prompt_rule: dict) -> dict:
     """What the manifest must hold for the folder's rows to be reused."""
-    from longspec_cli.core.prepared import tokenizer_fingerprint
+    from longspec.formats.prepared import tokenizer_fingerprint
 
     return {"format": FORMAT, "collator": collator, "source": source_fingerprint(train_file),
             "target": {"path": str(target), "digest": target_digest(target)},
@@ -179,7 +179,7 @@ def write_manifest(out: Path, expect: dict, engine: dict, totals: dict, records:
                    done: int, complete: bool, rerun: str | None = None) -> None:
     """The manifest; `engines` lists every engine that wrote rows here (a resume may use another);
     `complete`: every record done and none failed; `rerun`: the command that goes on
-    (longspec_cli.core.regenstate.folder_state reads these for status, --use and the demo)."""
+    (longspec.runs.regenstate.folder_state reads these for status, --use and the demo)."""
     old = read_manifest(out) or {}
     engines = [e for e in old.get("engines", []) if e != engine] if done else []
     atomic_write_json(out / MANIFEST, {**expect, "engine": engine, "engines": engines + [engine],

@@ -119,10 +119,10 @@ class ServerEngine:
     def __init__(self, urls: list[str], concurrency: int = 4, api: str = "completions", timeout: float = 600.0,
                  retries: int = 5, backoff: float = 1.0, template_kwargs: dict | None = None, wait: float = 60.0,
                  key_envs: list[str] | None = None):
-        """key_envs: the environment variables the servers' keys are read from (longspec_cli.core.
+        """key_envs: the environment variables the servers' keys are read from (longspec.project.
         serverkeys: OPENAI_API_KEY by default, one for all or one per server); a key is sent as
         `Authorization: Bearer KEY` and shown nowhere."""
-        from longspec_cli.core import serverkeys
+        from longspec.project import serverkeys
 
         if api not in ("completions", "chat"):
             raise EngineError(f"server api {api!r}: choose completions or chat")

@@ -14,7 +14,7 @@
     --bench aime:FILE          JSONL (or a JSON list) of problems, the text in `problem` or
                                `question`, or the set's parquet as downloaded (AI-MO/aimo-validation-aime:
                                `id`, `problem`, `solution`, `answer`, `url`; a file, folder or glob
-                               read by core.datafiles); the chat prompt as upstream's QwQ script builds it.
+                               read by formats.datafiles); the chat prompt as upstream's QwQ script builds it.
 
 Nothing is downloaded: the files are LongBench's data.zip (huggingface.co/datasets/THUDM/LongBench)
 and an AIME set such as AI-MO/aimo-validation-aime, fetched by the user. A malformed line is an
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from longspec.measure.prompts import (SYSTEM_PROMPT, Prompt, PromptError, end_of_turn_ids, parse_prompt_text,
                               read_prompt_file)
-from longspec_cli.core import datafiles
+from longspec.formats import datafiles
 
 LONGBENCH_SOURCE = "LongBench's data.zip from huggingface.co/datasets/THUDM/LongBench (data/<task>.jsonl)"
 AIME_SOURCE = "an AIME problem set, e.g. huggingface.co/datasets/AI-MO/aimo-validation-aime (its parquet, or JSONL)"

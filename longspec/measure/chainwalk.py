@@ -315,7 +315,7 @@ def figures(counts, lengths: list[int], prompts: list, gamma: int) -> dict:
 # ----------------------------------------------------------------------------- the run folder's file
 
 def write(path: Path, digest: str, gamma: int, prompts: list, conts: dict[int, Continuation], seconds: float) -> None:
-    from longspec_cli.core.atomic import atomic_write_json
+    from longspec.files.atomic import atomic_write_json
 
     atomic_write_json(path, {
         "version": VERSION, "digest": digest, "gamma": gamma, "seconds": round(seconds, 3),
@@ -327,7 +327,7 @@ def write(path: Path, digest: str, gamma: int, prompts: list, conts: dict[int, C
 def read(path: Path, digest: str, prompts: list, gamma: int) -> dict[int, Continuation] | None:
     """The continuations in ``path`` when they were made from the same digest and are long enough for
     ``gamma``; None otherwise."""
-    from longspec_cli.core import runfolder
+    from longspec.runs import runfolder
 
     data, _ = runfolder.read_json(path)
     if not data or data.get("digest") != digest or not isinstance(data.get("prompts"), list) \
@@ -346,7 +346,7 @@ def same_as_training(run_dir: Path, target: Path, prompts: list, rows: list[dict
     """The trainer's continuations of these prompts (longspec.measure.chainwalk; what its tau walked): None
     when the run has none; else whether they were made from these prompts, this target and these
     limits (`same_digest`), and on how many prompts this measurement's greedy output equals them."""
-    from longspec_cli.core import runfolder
+    from longspec.runs import runfolder
 
     path = run_dir / runfolder.CONTINUATIONS
     if not path.is_file():

@@ -207,7 +207,7 @@ def trained_indices(n: int, conf: dict, steps: int | None) -> set[int] | None:
 
 def heldout_of(conf: dict) -> dict | None:
     """The stage's run's heldout.json (longspec.training.simtau writes it), None without one."""
-    from longspec_cli.core import runfolder
+    from longspec.runs import runfolder
 
     out = conf_get(conf, "output_dir")
     held, _ = runfolder.read_json(Path(out) / runfolder.HELDOUT) if out else (None, None)
@@ -217,7 +217,7 @@ def heldout_of(conf: dict) -> dict | None:
 def skipped_untrainable(conf: dict) -> bool:
     """Whether the stage's prepared data left out records with nothing to train (its cache's
     manifest says so): its record indices are then not the train_file's."""
-    from longspec_cli.core import prepared as P
+    from longspec.formats import prepared as P
 
     train, target = conf_get(conf, "train_file"), conf_get(conf, "model_name_or_path")
     if not (isinstance(train, str) and isinstance(target, str)):

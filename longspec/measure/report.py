@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 
 # The buckets' rules live with the CLI's pre-launch memory check, which reads the same buckets.
-from longspec_cli.core.evalmemory import MIN_BUCKETS, default_lengths, parse_lengths  # noqa: F401
+from longspec.machine.evalmemory import MIN_BUCKETS, default_lengths, parse_lengths  # noqa: F401
 
 EVAL_NAME = "eval.json"
 

@@ -4,7 +4,7 @@
     stage_draft(run_dir, ...)     (stage, draft weights, target, sliding window), flags first
     EvalError(message, code)      a failure with an exit code: 1 refused, 2 usage, 3 unreadable input
 
-The run-folder contract itself (file names, the finished draft) is longspec_cli.core.runfolder's.
+The run-folder contract itself (file names, the finished draft) is longspec.runs.runfolder's.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from longspec.measure.prompts import conf_get as _get
 def stage_draft(run_dir: Path, conf: Mapping, complete: Mapping | None, args) -> tuple[str, Path, Path, int]:
     """(stage, draft weights, target, sliding window) of a run folder; --stage/--draft/--target/
     --sliding-window in ``args`` win over what the run recorded. Shared by eval and export."""
-    from longspec_cli.core import runfolder
+    from longspec.runs import runfolder
 
     stage = args.stage or _get(conf, "stage") or (complete or {}).get("stage") or run_dir.name
     draft = args.draft
@@ -47,7 +47,8 @@ class EvalError(Exception):
 
 def read_run(run_dir: Path) -> tuple[dict, dict | None]:
     """(resolved training config or {}, stage_complete.json or None)."""
-    from longspec_cli.core import runfolder, yamlio
+    from longspec.runs import runfolder
+    from longspec.files import yamlio
 
     if not run_dir.is_dir():
         raise EvalError(f"{run_dir}: no such run folder", 2)

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from longspec.model import kernels
-from longspec_cli.core.memory import SCORE_BUDGET, query_chunks  # the reference path's budget and chunks (the estimate's)
+from longspec.machine.memory import SCORE_BUDGET, query_chunks  # the reference path's budget and chunks (the estimate's)
 FLEX_BLOCK = 128                 # FlexAttention's default sparse block (queries and keys)
 FLEX_LENGTH_STEP = 1024          # compiled FlexAttention sees lengths in these steps (one kernel each)
 RUNGS = kernels.ATTENTION_RUNGS
@@ -317,7 +317,7 @@ def visible_mask(t_idx: torch.Tensor, s_idx: torch.Tensor, window: int | None, l
 def chunk_plan(rows: int, B: int, nh: int, keys: int, device, q_chunk: int | None = None,
                window: int | None = None) -> list[int]:
     """Query-chunk sizes covering ``rows`` rows against ``keys`` keys within the device's score
-    budget (the sizing rule: longspec_cli.core.memory.query_chunks, which the estimate reads too)."""
+    budget (the sizing rule: longspec.machine.memory.query_chunks, which the estimate reads too)."""
     budget = SCORE_BUDGET["cuda" if torch.device(device).type == "cuda" else "cpu"]
     return query_chunks(rows, B, nh, keys, budget, q_chunk, window)
 

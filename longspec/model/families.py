@@ -13,7 +13,7 @@ Per family (keyed by the transformers `model_type`):
                     per-head q/k RMSNorm (Qwen3); the exported draft's architecture name
 
 Adding a family = one `Family(...)` entry below, its name in
-`longspec_cli.core.targets.SUPPORTED_FAMILIES` (the list the CLI and trainer refuse with), and
+`longspec.project.targets.SUPPORTED_FAMILIES` (the list the CLI and trainer refuse with), and
 its tiny target in tests/trainer/conftest.py.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from longspec_cli.core.targets import SUPPORTED_FAMILIES, refusal
+from longspec.project.targets import SUPPORTED_FAMILIES, refusal
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from longspec_cli.core.memory import DEFAULT_CE_CHUNK  # rows of logits per chunk (bench/bench_linear_ce.py)
+from longspec.machine.memory import DEFAULT_CE_CHUNK  # rows of logits per chunk (bench/bench_linear_ce.py)
 
 MODES = ("auto", "fused", "reference")
 _mode = {"value": "auto", "top_rung": "flash_attn"}

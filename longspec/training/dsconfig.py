@@ -13,8 +13,8 @@ import copy
 import math
 from typing import Any
 
-from longspec_cli.core import schema
-from longspec_cli.core.memory import reduce_bucket_elements
+from longspec.project import schema
+from longspec.machine.memory import reduce_bucket_elements
 
 # Trainer-only keys that a stage file does not carry (command-line switches).
 EXTRA_SPEC = {"force": schema.BOOL}
@@ -102,7 +102,7 @@ def build_ds_config(
     cpu_adam_error: why DeepSpeedCPUAdam cannot be built here (None = it can); then optimizer
     offload is turned off and torch's AdamW used instead, with a note saying so.
     draft_trainable: the draft's trainable parameters; the reduce bucket is sized to them where
-    ds_cfg sets none (longspec_cli.core.memory.reduce_bucket_elements).
+    ds_cfg sets none (longspec.machine.memory.reduce_bucket_elements).
     """
     ds = copy.deepcopy(conf.get("ds_cfg") or {})
     problems: list[str] = []

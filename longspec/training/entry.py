@@ -111,7 +111,7 @@ def implied_config_dir(argv: list[str]) -> list[str]:
 
 
 # The primary config, as an absolute path: the same whether run as a module, a script or imported.
-# The front end (longspec_cli.core.hydracompose) composes with this same file and search path.
+# The front end (longspec.project.hydracompose) composes with this same file and search path.
 HYDRA_MAIN = {"config_path": str(Path(__file__).resolve().parents[1] / "conf"), "config_name": "config",
               "version_base": None}
 

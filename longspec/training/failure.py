@@ -1,7 +1,7 @@
 """The training run's error boundary: a user's mistake or a full disk becomes one `error:` block on
 stderr, an `error` event in metrics.jsonl and exit 1; a bug keeps its traceback. A write that failed
 for want of space also drops the half-written checkpoint and names the checkpoint a rerun resumes
-from (longspec_cli.core.diskspace words it)."""
+from (longspec.runs.diskspace words it)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,7 +15,7 @@ from longspec.training.preempt import EXIT_INTERRUPTED
 
 def guarded(run: Callable[[object], int], cfg) -> int:
     """run() with the error boundary: user mistakes -> one `error:` block, exit 1, no traceback."""
-    from longspec_cli.core import diskspace
+    from longspec.runs import diskspace
 
     try:
         return run(cfg)
@@ -54,7 +54,7 @@ def _error_event(cfg, message: str) -> None:
 def _write_failure(cfg, e: BaseException) -> str:
     """A write failed for want of space: drop the half-written checkpoint (rank 0; it never got its
     checkpoint.json, so nothing reads it, but it holds space), then name path, space and resume point."""
-    from longspec_cli.core import diskspace
+    from longspec.runs import diskspace
 
     try:
         out_dir = Path(cfg.get("output_dir"))

@@ -21,8 +21,9 @@ from longspec.training.preempt import EXIT_PREEMPTED, WATCH
 from longspec.training.preflight import (DTYPES, Origin, Preflight, choose_kernels, config_origin, cpu_adam_error,
                                          draft_trainable, preflight, training_config_yaml, wants_offload)
 from longspec.training.resume import decide_resume
-from longspec_cli.core import cudaarch, runfolder
-from longspec_cli.core.mathkeys import layout, math_config
+from longspec.machine import cudaarch
+from longspec.runs import runfolder
+from longspec.project.mathkeys import layout, math_config
 
 # ----------------------------------------------------------------------------- the run
 
@@ -59,7 +60,7 @@ def _still_complete(done: dict, out: runwriter.RunWriter, origin: Origin) -> boo
     weights = out.read.weights_for(done)
     if not weights.is_file():
         return False
-    from longspec_cli.core.runfolder import cached_sha256
+    from longspec.runs.runfolder import cached_sha256
 
     return cached_sha256(weights) == done.get("sha256")
 

@@ -17,8 +17,8 @@ from typing import Any
 from longspec.training import runwriter
 from longspec.training.rank import print0, rank, world_size
 from longspec.training.entry import TrainError
-from longspec_cli.core import runfolder
-from longspec_cli.core.datafiles import names_data
+from longspec.runs import runfolder
+from longspec.formats.datafiles import names_data
 
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -96,12 +96,12 @@ def preflight(conf: dict[str, Any]) -> Preflight:
 
 def check_sequence_parallel(conf: dict[str, Any], tcfg) -> None:
     """sequence_parallel_size against the world and the target's (so the draft's) head counts:
-    validate's rule (longspec_cli.core.checks.seqpar), here before any weight loads. The length
+    validate's rule (longspec.project.checks.seqpar), here before any weight loads. The length
     is not checked: the trainer pads a batch to a multiple of SP."""
     sp = int(conf.get("sequence_parallel_size") or 1)
     if sp <= 1:
         return
-    from longspec_cli.core.checks.seqpar import sp_problems
+    from longspec.project.checks.seqpar import sp_problems
 
     text = tcfg.get_text_config() if hasattr(tcfg, "get_text_config") else tcfg
     heads = getattr(text, "num_attention_heads", None)
@@ -128,7 +128,7 @@ def target_config(target: Path):
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from longspec_cli.core.targets import refusal
+    from longspec.project.targets import refusal
 
     try:
         tcfg = AutoConfig.from_pretrained(str(target))
@@ -152,7 +152,7 @@ def load_draft(path: Path, tcfg, conf: dict[str, Any]):
 
     from longspec.model.weights import check_draft_state, load_draft_state
     from longspec.model.glide import DraftConfig, GlideDraft
-    from longspec_cli.core.atomic import sha256_file
+    from longspec.files.atomic import sha256_file
 
     state = load_draft_state(path)            # DraftLoadError: missing, corrupt, pickle payload
     with torch.device("meta"):

@@ -2,7 +2,7 @@
 
     decide_resume(out, origin, conf)  the newest complete checkpoint, None (start), or TrainError
 
-Which keys are math is longspec_cli.core.mathkeys (`status` asks the same question of a finished
+Which keys are math is longspec.project.mathkeys (`status` asks the same question of a finished
 stage).
 
 Math keys (model, data, optimiser, schedule, precision, seeds) must be what the checkpoint was
@@ -23,7 +23,7 @@ from typing import Any
 
 from longspec.training import runwriter
 from longspec.training.entry import TrainError
-from longspec_cli.core.mathkeys import (SCHEDULE_LENGTH_KEYS, batch_keys_free, differences, layout_blocker, math_config, resume_blockers,
+from longspec.project.mathkeys import (SCHEDULE_LENGTH_KEYS, batch_keys_free, differences, layout_blocker, math_config, resume_blockers,
                                        show_changes)
 
 

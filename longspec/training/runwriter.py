@@ -6,7 +6,7 @@
     checkpoint-<step>/     draft_model_weights.pth (+ .safetensors), ds/, checkpoint.json LAST
     stage_complete.json    atomic, the very last file of a finished stage
 
-Readers live in longspec_cli.core.runfolder; the names, the fingerprint and the metrics line format
+Readers live in longspec.runs.runfolder; the names, the fingerprint and the metrics line format
 come from there so both sides agree. Only rank 0 writes (the caller passes `enabled`).
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from longspec_cli.core import runfolder
-from longspec_cli.core.atomic import atomic_write_json, atomic_write_text, sha256_file
+from longspec.runs import runfolder
+from longspec.files.atomic import atomic_write_json, atomic_write_text, sha256_file
 
 CHECKPOINT_PREFIX = "checkpoint-"
 DS_STATE = "ds"            # DeepSpeed's engine state inside a checkpoint folder

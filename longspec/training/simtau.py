@@ -33,8 +33,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from longspec_cli.core import runfolder
-from longspec_cli.core.atomic import atomic_write_json
+from longspec.runs import runfolder
+from longspec.files.atomic import atomic_write_json
 
 MIN_PIECE = 16              # a held-out record is not cut shorter than this
 
@@ -299,7 +299,7 @@ class SimTau:
     def _save_best(self, session, step: int, tau: float, fig: dict) -> None:
         """The draft into best/ (weights first, best.json last, both atomic). Collective under ZeRO-3."""
         from longspec.model.weights import save_draft
-        from longspec_cli.core.atomic import sha256_file
+        from longspec.files.atomic import sha256_file
 
         state = session.draft_state()
         if self.rank != 0:

@@ -8,7 +8,7 @@ from typing import Any, List, Optional
 import typer
 
 from longspec_cli.boundary import run_cli
-from longspec_cli.errors import RefusedError, UsageError
+from longspec.errors import RefusedError, UsageError
 
 EPILOG = """Examples:
 
@@ -38,7 +38,7 @@ def config(
 
     def body() -> None:
         from longspec_cli.commands.run import split_args
-        from longspec_cli.core import hydracompose as H
+        from longspec.project import hydracompose as H
 
         stage, overrides = split_args(list(args or []))
         stage_file, out_dir = _stage_file(path, stage)
@@ -64,7 +64,7 @@ def config(
 def _stage_file(path: Path, stage: Optional[str]) -> tuple[Path, Optional[Path]]:
     if not path.exists():
         raise UsageError(f"{path}: no such file or folder", hint="give a project folder or a stage YAML")
-    from longspec_cli.core.manifest import load_manifest
+    from longspec.project.manifest import load_manifest
 
     if path.is_file() and path.name != "longspec.yaml":
         return path, _listed_output_dir(path)
@@ -78,9 +78,9 @@ def _stage_file(path: Path, stage: Optional[str]) -> tuple[Path, Optional[Path]]
 
 def _listed_output_dir(stage_file: Path) -> Optional[Path]:
     """The manifest's output_dir when the stage file belongs to a project (as `run` would pass it)."""
-    from longspec_cli.core.manifest import load_manifest
-    from longspec_cli.core.validate import _project_of
-    from longspec_cli.errors import LongspecError
+    from longspec.project.manifest import load_manifest
+    from longspec.project.validate import _project_of
+    from longspec.errors import LongspecError
 
     root = _project_of(stage_file)
     if root is None:

@@ -49,7 +49,7 @@ def demo(
         root = project_dir.resolve()
         console = plan.Console()
         if not (root / "longspec.yaml").is_file():
-            from longspec_cli.core.scaffold import InitAnswers, build_local_assets, plan_project, write_project
+            from longspec_cli.launch.scaffold import InitAnswers, build_local_assets, plan_project, write_project
 
             A.deepspeed_command()  # refuse early, before building anything, when the train extra is missing
             write_project(plan_project(InitAnswers(project_dir=root, preset="tiny")))
@@ -60,12 +60,12 @@ def demo(
         else:
             console.say(f"reusing the demo project in {root}")
         if max_steps is not None and max_steps < 1:
-            from longspec_cli.errors import UsageError
+            from longspec.errors import UsageError
 
             raise UsageError("--max-steps must be at least 1")
         overrides = [f"max_steps={max_steps}", f"save_steps={max_steps}"] if max_steps else []
         if regenerate:
-            from longspec_cli.core.manifest import load_manifest
+            from longspec.project.manifest import load_manifest
             from longspec_cli.launch.regen import regenerate_for_demo
 
             t1 = time.monotonic()

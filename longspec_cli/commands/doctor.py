@@ -40,7 +40,7 @@ def doctor_cmd(
         from rich.console import Console
         from rich.table import Table
 
-        from longspec_cli.core.trainerjson import run_trainer_json
+        from longspec_cli.launch.trainerjson import run_trainer_json
 
         args = [sys.executable, "-m", "longspec.doctor", "--dir", str((where or Path.cwd()).expanduser().absolute())]
         res = run_trainer_json(args, show_progress=False, allow_codes=(1,))

@@ -13,8 +13,8 @@ from typing import List, Optional
 import typer
 
 from longspec_cli.boundary import run_cli
-from longspec_cli.errors import RefusedError, UsageError
-from longspec_cli.core.trainerjson import run_trainer_json
+from longspec.errors import RefusedError, UsageError
+from longspec_cli.launch.trainerjson import run_trainer_json
 
 EPILOG = """Examples:
 
@@ -116,9 +116,9 @@ def eval_cmd(
     """Measure each stage's draft: tau (tokens per target forward), tokens/s, speed-up, lossless."""
 
     def body() -> None:
-        from longspec_cli.core.manifest import load_manifest
-        from longspec_cli.core.quality import baseline_draft, eval_command
-        from longspec_cli.core.status import FINISHED, project_status
+        from longspec.project.manifest import load_manifest
+        from longspec.runs.quality import baseline_draft, eval_command
+        from longspec.runs.status import FINISHED, project_status
 
         if prompts is not None and not prompts.is_file():
             raise UsageError(f"--prompts {prompts}: no such file")
@@ -259,7 +259,7 @@ def length_table(results: list[dict]):
     when no result has length buckets. Shared by `eval` and `run`'s summary."""
     from rich.table import Table
 
-    from longspec_cli.core.quality import length_label
+    from longspec.runs.quality import length_label
 
     if not any(r.get("by_length") for r in results):
         return None

@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 
 from longspec_cli.boundary import run_cli
-from longspec_cli.errors import RefusedError, UsageError
+from longspec.errors import RefusedError, UsageError
 
 EPILOG = """Examples:
 
@@ -41,9 +41,9 @@ def export_cmd(
     """Export a stage's draft as an HF-style folder or a plain .safetensors file."""
 
     def body() -> None:
-        from longspec_cli.core.trainerjson import run_trainer_json
-        from longspec_cli.core.manifest import load_manifest
-        from longspec_cli.core.status import FINISHED, project_status
+        from longspec_cli.launch.trainerjson import run_trainer_json
+        from longspec.project.manifest import load_manifest
+        from longspec.runs.status import FINISHED, project_status
 
         if fmt not in ("hf", "safetensors"):
             raise UsageError(f"--format {fmt!r}: choose hf or safetensors")

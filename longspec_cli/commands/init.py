@@ -9,7 +9,7 @@ from typing import List, Optional
 import typer
 
 from longspec_cli.boundary import run_cli
-from longspec_cli.errors import UsageError
+from longspec.errors import UsageError
 
 EPILOG = """Examples:
 
@@ -48,7 +48,7 @@ def init(
     """Scaffold a project: longspec.yaml plus a conf/ tree with the three stage configs."""
 
     def body() -> None:
-        from longspec_cli.core.scaffold import InitAnswers
+        from longspec_cli.launch.scaffold import InitAnswers
 
         interactive = not no_input and sys.stdin.isatty() and sys.stdout.isatty()
         no_flags = project_dir is None and preset is None and target is None and not data
@@ -91,7 +91,7 @@ def _parse_data(items: list[str]) -> dict[str, str]:
 
 
 def _ask_missing(a) -> None:
-    from longspec_cli.core import presets as P
+    from longspec.project import presets as P
 
     if a.preset is None and a.target is None:
         choice = typer.prompt(f"Preset ({', '.join(P.preset_names())}) or a target model path")
@@ -123,8 +123,8 @@ def _wizard():
 def _scaffold(answers, *, force: bool, dry_run: bool, as_json: bool) -> None:
     import json
 
-    from longspec_cli.core import presets as P
-    from longspec_cli.core.scaffold import build_local_assets, plan_with_notes, write_project
+    from longspec.project import presets as P
+    from longspec_cli.launch.scaffold import build_local_assets, plan_with_notes, write_project
 
     files, notes = plan_with_notes(answers)
     root = answers.project_dir.resolve()

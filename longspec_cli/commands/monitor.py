@@ -14,7 +14,7 @@ from pathlib import Path
 import typer
 
 from longspec_cli.boundary import run_cli
-from longspec_cli.errors import UsageError
+from longspec.errors import UsageError
 
 EPILOG = """Examples:
 
@@ -52,7 +52,7 @@ def monitor(
 
 def summary(project_dir: Path) -> dict:
     """The --once summary as plain data (stages, alerts, what `run` would do next)."""
-    from longspec_cli.core.status import run_plan
+    from longspec.runs.status import run_plan
     from longspec_cli.tui.follow import ProjectFollower
 
     f = ProjectFollower(project_dir).open()
@@ -85,9 +85,9 @@ def summary(project_dir: Path) -> dict:
 
 def _prepared(follower, project_dir: Path) -> dict:
     """Each stage's prepared data as JSON ({} when the project cannot be read)."""
-    from longspec_cli.core.manifest import load_manifest
-    from longspec_cli.core.prepared import project_prepared
-    from longspec_cli.errors import LongspecError
+    from longspec.project.manifest import load_manifest
+    from longspec.formats.prepared import project_prepared
+    from longspec.errors import LongspecError
 
     try:
         return {k: v.to_json() for k, v in project_prepared(load_manifest(project_dir)).items()}

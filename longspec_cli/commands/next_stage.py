@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from longspec_cli.boundary import run_cli
-from longspec_cli.errors import UsageError
+from longspec.errors import UsageError
 
 EPILOG = """Examples:
 
@@ -49,7 +49,7 @@ def next_stage(
     """Verify the previous stage's final draft and write its absolute path into the next stage's config."""
 
     def body() -> None:
-        from longspec_cli.core import chain
+        from longspec_cli.launch import chain
 
         if config is not None or draft is not None:
             if project_dir is not None or to is not None:
@@ -64,7 +64,7 @@ def next_stage(
             if project_dir is None:
                 raise UsageError("missing project folder",
                                  hint="longspec next-stage DIR, or longspec next-stage --config FILE --draft PATH")
-            from longspec_cli.core.manifest import load_manifest
+            from longspec.project.manifest import load_manifest
 
             result = chain.chain_project(load_manifest(project_dir), to, dry_run=dry_run, deep=deep,
                                          edit_in=edit_in, force=force, pick="best" if best else "final")

@@ -61,8 +61,8 @@ def prepare(
         if show is not None:
             _show(project_dir, stages, show, as_json)
             return
-        from longspec_cli.core.manifest import load_manifest
-        from longspec_cli.core.prepared import result_text as prepared_text
+        from longspec.project.manifest import load_manifest
+        from longspec.formats.prepared import result_text as prepared_text
         from longspec_cli.launch import prepare as LP
 
         manifest = load_manifest(project_dir)
@@ -85,8 +85,8 @@ def prepare(
 def _show(project_dir: Path, stages: Optional[List[str]], count: int, as_json: bool) -> None:
     import sys
 
-    from longspec_cli.core import trainedview as V
-    from longspec_cli.core.manifest import load_manifest
+    from longspec.formats import trainedview as V
+    from longspec.project.manifest import load_manifest
     from longspec_cli.launch import prepare as LP
 
     manifest = load_manifest(project_dir)

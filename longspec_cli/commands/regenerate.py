@@ -1,7 +1,7 @@
 """`longspec regenerate DIR [STAGE ...]`: each stage's answers written again by its own target.
 
 The work runs in `python -m longspec.regenerate` (this process never imports torch); `--use`
-points the stage's train_file at the result with a one-line round-trip edit (core/yamledit.py);
+points the stage's train_file at the result with a one-line round-trip edit (longspec/files/yamledit.py);
 both through launch/regen.py, which `longspec demo --regenerate` uses too.
 """
 
@@ -14,7 +14,7 @@ from typing import List, Optional
 import typer
 
 from longspec_cli.boundary import run_cli
-from longspec_cli.errors import INTERRUPTED, PREEMPTED, RefusedError, UsageError
+from longspec.errors import INTERRUPTED, PREEMPTED, RefusedError, UsageError
 
 EPILOG = """Examples:
 
@@ -89,13 +89,13 @@ def regenerate_cmd(
     """Regenerate each stage's answers with its own target (greedy), resumable, in source order."""
 
     def body() -> None:
-        from longspec_cli.core.manifest import load_manifest
-        from longspec_cli.core.regenstate import folder_state, stage_folder
+        from longspec.project.manifest import load_manifest
+        from longspec.runs.regenstate import folder_state, stage_folder
         from longspec_cli.launch.regen import rerun_command, run_stage, unfinished_error, use_folder
 
         if api not in ("completions", "chat"):
             raise UsageError(f"--api {api!r}: choose completions or chat")
-        from longspec_cli.core import serverkeys
+        from longspec.project import serverkeys
 
         try:
             serverkeys.plan(list(server or ()), list(api_key_env or ()))

@@ -101,7 +101,7 @@ def run(
     """Launch training stages with DeepSpeed (progress line, train.log, Ctrl-C saves a checkpoint, then stops every rank)."""
 
     def body() -> None:
-        from longspec_cli.errors import UsageError
+        from longspec.errors import UsageError
         from longspec_cli.launch import argv as A
         from longspec_cli.launch import execute, plan
         from longspec_cli.launch.gate import check_gate

@@ -37,10 +37,10 @@ def status(
     """Show where each stage of a project stands and what `longspec run` would do next."""
 
     def body() -> None:
-        from longspec_cli.core.manifest import load_manifest
-        from longspec_cli.core.status import project_status, run_plan
+        from longspec.project.manifest import load_manifest
+        from longspec.runs.status import project_status, run_plan
 
-        from longspec_cli.core.prepared import project_prepared
+        from longspec.formats.prepared import project_prepared
 
         manifest = load_manifest(project_dir)
         stages = project_status(manifest)

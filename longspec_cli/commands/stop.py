@@ -43,9 +43,9 @@ def stop(
     """Stop a running training stage: save a checkpoint first (SIGTERM to the ranks), then stop."""
 
     def body() -> None:
-        from longspec_cli.core import runrecord
-        from longspec_cli.core.manifest import load_manifest
-        from longspec_cli.errors import RefusedError, UsageError
+        from longspec.runs import runrecord
+        from longspec.project.manifest import load_manifest
+        from longspec.errors import RefusedError, UsageError
         from longspec_cli.launch import group
 
         if timeout < 0 or save_timeout < 0:
@@ -66,7 +66,7 @@ def stop(
                 continue
             left = f"; {len(outcome.remaining)} process(es) remain" if outcome.remaining else ""
             if outcome.saved:
-                from longspec_cli.core.diskspace import resume_sentence
+                from longspec.runs.diskspace import resume_sentence
 
                 typer.echo(f"stopped {spec.name}: checkpoint saved; {resume_sentence(spec.output_dir)}")
             else:
@@ -84,9 +84,9 @@ def stop(
 
 def _stop_jobs(manifest, specs, *, save: bool, save_timeout: float) -> list[str]:
     """Stop the live SLURM jobs that own the chosen stages; every stage a job holds is stopped with it."""
-    from longspec_cli.core import runrecord, scheduler
-    from longspec_cli.core.diskspace import resume_sentence
-    from longspec_cli.errors import RefusedError
+    from longspec.runs import runrecord, scheduler
+    from longspec.runs.diskspace import resume_sentence
+    from longspec.errors import RefusedError
     from longspec_cli.launch.jobrecord import stop_job
 
     jobs: dict[str, list] = {}
@@ -122,7 +122,7 @@ def _stop_jobs(manifest, specs, *, save: bool, save_timeout: float) -> list[str]
 
 
 def _last_event(out) -> str | None:
-    from longspec_cli.core import runfolder
+    from longspec.runs import runfolder
 
     last = runfolder.last_lifecycle_event(runfolder.RunDir(out).events())
     return None if last is None else last.get("event")

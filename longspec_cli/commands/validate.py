@@ -39,7 +39,7 @@ def validate(
     def body() -> None:
         import json
 
-        from longspec_cli.core.validate import validate_paths
+        from longspec.project.validate import validate_paths
 
         report = validate_paths([str(p) for p in paths], world_size=world_size)
         if not report.count("error"):  # a separate check: the projects' checkpoints vs free disk space

@@ -13,7 +13,7 @@ Nothing here imports torch, deepspeed, transformers or hydra: the launcher is a 
   slurm.py     the sbatch script (one DeepSpeed per-node launcher per SLURM task)
   nodes.py     a run on several nodes over ssh: each node's command and environment, per-host requests
   fanout.py    the leader of such a run (`python -m longspec_cli.launch.fanout`): probe, start, stop, check
-  evalcheck.py `eval`'s memory check of a finished stage: its device's free memory against core/evalmemory.py
+  evalcheck.py `eval`'s memory check of a finished stage: its device's free memory against longspec/machine/evalmemory.py
   disk.py      disk estimate of a stage's checkpoints and weights (pure arithmetic)
   prepare.py   a stage's prepared-data state with overrides; `python -m longspec.prepare` runs
 """

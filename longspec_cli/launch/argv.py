@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
 
-from longspec_cli.core import traincmd
-from longspec_cli.core.gpus import Gpu, detect_gpus  # noqa: F401  (the launch's GPUs)
-from longspec_cli.core.traincmd import TRAINER_MODULE
-from longspec_cli.errors import RefusedError, UsageError
+from longspec_cli.launch import traincmd
+from longspec.machine.gpus import Gpu, detect_gpus  # noqa: F401  (the launch's GPUs)
+from longspec_cli.launch.traincmd import TRAINER_MODULE
+from longspec.errors import RefusedError, UsageError
 
 LAUNCHERS = ("pdsh", "openmpi", "mvapich", "slurm")
 DEFAULT_MASTER_PORT = 29500  # DeepSpeed's own default (TORCH_DISTRIBUTED_DEFAULT_PORT)

@@ -12,7 +12,7 @@ What the trainer writes (longspec/train.py, longspec/model/weights.py), per chec
 The newest checkpoint is complete before the oldest beyond save_total_limit is removed, so the
 peak is (save_total_limit + 1) checkpoints; plus the final weights (.pth + .safetensors), and the
 best draft (best/: the same two files) when the simulated-tau evaluation is on (eval_steps > 0).
-The model sizes come from longspec_cli.core.memory (one owner of the parameter counts).
+The model sizes come from longspec.machine.memory (one owner of the parameter counts).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from longspec_cli.core.diskspace import free_bytes, human
-from longspec_cli.core.memory import PRECISION_BYTES, StageShape
+from longspec.runs.diskspace import free_bytes, human
+from longspec.machine.memory import PRECISION_BYTES, StageShape
 
 CHECKPOINT_FIXED_BYTES = 50_000  # DeepSpeed's zero_to_fp32.py / zero_to_torch.py copies + checkpoint.json
 

@@ -1,13 +1,13 @@
 """`longspec eval`'s memory check of a finished stage before it starts longspec.evaluate: the
-device it decodes on and what that device has free; the arithmetic is longspec_cli.core.evalmemory."""
+device it decodes on and what that device has free; the arithmetic is longspec.machine.evalmemory."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from longspec_cli.core import evalmemory as EM
-from longspec_cli.core.gpus import MIB, detect_gpus
-from longspec_cli.core.memory import PRECISION_BYTES, ModelSize
+from longspec.machine import evalmemory as EM
+from longspec.machine.gpus import MIB, detect_gpus
+from longspec.machine.memory import PRECISION_BYTES, ModelSize
 
 
 def gpu_free() -> int | None:
@@ -22,7 +22,7 @@ def run_refusal(run_dir: Path, lengths: str | None, max_new_tokens: int | None, 
     training_config.yaml (the target, max_seq_length, precision), --lengths or the default buckets
     (--bench without --lengths: its prompts set them, evaluate checks), the device eval decodes on
     ('auto': a GPU when nvidia-smi lists one). None when it fits or cannot be told here."""
-    from longspec_cli.core import yamlio
+    from longspec.files import yamlio
 
     try:
         conf = yamlio.to_plain(yamlio.load_mapping(Path(run_dir) / "training_config.yaml").data)

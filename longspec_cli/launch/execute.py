@@ -1,6 +1,6 @@
 """`longspec run`: the whole run (plan.py, preflight.py, then the launches, gate.py between them).
 
-    execute   per stage: chain its draft from the upstream (core.chain, as `next-stage`), validate
+    execute   per stage: chain its draft from the upstream (launch.chain, as `next-stage`), validate
               it, launch (process.py), require stage_complete.json; stop at the first failure
 """
 
@@ -11,9 +11,10 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from longspec_cli.core import opsdir, runfolder
-from longspec_cli.core.manifest import Manifest, StageSpec
-from longspec_cli.errors import INTERRUPTED, PREEMPTED, LongspecError, RefusedError, RunFailed
+from longspec.machine import opsdir
+from longspec.runs import runfolder
+from longspec.project.manifest import Manifest, StageSpec
+from longspec.errors import INTERRUPTED, PREEMPTED, LongspecError, RefusedError, RunFailed
 from longspec_cli.launch import argv as A
 from longspec_cli.launch.gate import GATE_FAILED, check_gate, draft_measured, eval_argv, eval_of, measure_stage
 from longspec_cli.launch.plan import (Console, RunRequest, StageOutcome, StagePlan, as_float, exp_location,
@@ -30,7 +31,7 @@ SUMMARY_HEADER = ["stage", "action", "result", "steps", "first loss", "last loss
 
 
 def prepare(req: RunRequest, console: Console) -> tuple[Manifest, list[StagePlan], A.Placement, A.Resources]:
-    from longspec_cli.core.manifest import load_manifest
+    from longspec.project.manifest import load_manifest
 
     check_gate(req.gate)
     manifest = load_manifest(req.project)
@@ -126,7 +127,7 @@ def _dry_launcher() -> list[str]:
 
 def execute(manifest: Manifest, plans: list[StagePlan], placement: A.Placement, res: A.Resources,
             req: RunRequest, console: Console) -> list[StageOutcome]:
-    from longspec_cli.core.atomic import locked
+    from longspec.files.atomic import locked
 
     outcomes: list[StageOutcome] = []
     with locked(manifest.root / ".longspec-run", timeout=0.5):
@@ -158,7 +159,7 @@ def execute(manifest: Manifest, plans: list[StagePlan], placement: A.Placement, 
 
 def run_one(manifest: Manifest, p: StagePlan, placement: A.Placement, res: A.Resources, req: RunRequest,
             console: Console) -> StageOutcome:
-    from longspec_cli.core import chain
+    from longspec_cli.launch import chain
     from longspec_cli.launch import process
 
     spec = p.spec
@@ -207,7 +208,7 @@ def run_one(manifest: Manifest, p: StagePlan, placement: A.Placement, res: A.Res
     rd = runfolder.RunDir(spec.output_dir)
     complete = rd.stage_complete()
     if result.nodes and result.nodes.get("fault"):
-        from longspec_cli.core.diskspace import resume_sentence
+        from longspec.runs.diskspace import resume_sentence
 
         raise RunFailed(f"stage {spec.name} failed in {result.wall_s:.0f} s: {result.nodes['fault']}; {left}\n"
                         f"{resume_sentence(spec.output_dir)}", hint=f"full log: {spec.output_dir / process_log_name()}")
@@ -227,7 +228,7 @@ def _preempted_event(spec: StageSpec) -> dict | None:
 
 
 def clear_stale_op_locks(console: Console, folder: str | None = None) -> list[str]:
-    """Remove the locks stopped op builds left in the ops folder (core/opsdir.py), said once each,
+    """Remove the locks stopped op builds left in the ops folder (longspec/machine/opsdir.py), said once each,
     so the launch does not wait for them forever."""
     removed = []
     for lock in opsdir.stale_locks(folder or opsdir.launch_folder()):
@@ -257,7 +258,7 @@ def with_ops_dir(cmd: A.LaunchCommand) -> A.LaunchCommand:
 def _chain_into(manifest: Manifest, spec: StageSpec, console: Console, chain, deep: bool | None = None) -> None:
     """Point `spec` at its upstream's verified final draft, exactly as `longspec next-stage --to`
     (deep=False: without the subprocess load check, when the evaluator has just done it)."""
-    from longspec_cli.core.status import stage_status
+    from longspec.runs.status import stage_status
 
     prev = manifest.stage(spec.draft_from)        # (the manifest's draft_pick: final or best draft)
     if stage_status(prev).state != "done":
@@ -280,7 +281,7 @@ def _fail(spec: StageSpec, result, complete, console: Console) -> None:
            else "exit code 0 but no stage_complete.json was written")
     console.err.write(f"\n--- last lines of {log} ---\n{tail}\n---\n")
     console.err.flush()
-    from longspec_cli.core import diskspace
+    from longspec.runs import diskspace
 
     free = diskspace.free_bytes(spec.output_dir)
     if free is not None and free < LOW_SPACE_BYTES or "could not write" in tail:

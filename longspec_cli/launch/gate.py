@@ -12,9 +12,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from longspec_cli.core import runfolder
-from longspec_cli.core.manifest import Manifest, StageSpec, same_file
-from longspec_cli.errors import INTERRUPTED, LongspecError, RefusedError, UsageError
+from longspec.runs import runfolder
+from longspec.project.manifest import Manifest, StageSpec, same_file
+from longspec.errors import INTERRUPTED, LongspecError, RefusedError, UsageError
 from longspec_cli.launch.plan import Console, RunRequest, StageOutcome, composed
 
 
@@ -57,7 +57,7 @@ def current_eval(spec: StageSpec, upstream: StageSpec | None) -> dict | None:
 
 def eval_argv(manifest: Manifest, spec: StageSpec) -> list[str]:
     """`python -m longspec.evaluate` for a stage, as `longspec eval` runs it (default settings)."""
-    from longspec_cli.core import quality
+    from longspec.runs import quality
 
     weights, up_name = quality.baseline_draft(manifest.previous(spec.name), planned=True)
     return quality.eval_command(spec.output_dir, spec.name, baseline_draft=weights,
@@ -67,7 +67,7 @@ def eval_argv(manifest: Manifest, spec: StageSpec) -> list[str]:
 def measure_stage(manifest: Manifest, spec: StageSpec, out: StageOutcome, req: RunRequest, console: Console) -> None:
     """Evaluate a finished stage unless its eval.json is current; then, with --gate, the gate.
     Fills out.tau / out.speedup; raises to stop the pipeline (gate failed, or eval failed under --gate)."""
-    from longspec_cli.core import quality
+    from longspec.runs import quality
 
     up = manifest.stage(spec.draft_from) if spec.draft_from else None
     ev = current_eval(spec, up)
@@ -97,8 +97,8 @@ def measure_stage(manifest: Manifest, spec: StageSpec, out: StageOutcome, req: R
 def _run_eval(manifest: Manifest, spec: StageSpec, out: StageOutcome, req: RunRequest,
               console: Console) -> dict | None:
     """Run the evaluator (as `longspec eval`); the result, or None after a warning (--eval only)."""
-    from longspec_cli.core import quality
-    from longspec_cli.core.trainerjson import run_trainer_json
+    from longspec.runs import quality
+    from longspec_cli.launch.trainerjson import run_trainer_json
 
     argv = eval_argv(manifest, spec)
     console.say(f"\n== {spec.name}: evaluating\n$ {' '.join(argv)}")
@@ -147,7 +147,7 @@ def draft_measured(manifest: Manifest, spec: StageSpec) -> bool:
 
 def eval_of(spec: StageSpec, sha256: str | None) -> dict | None:
     """The stage's eval.json when it was measured on the draft with this sha256, else None."""
-    from longspec_cli.core import quality
+    from longspec.runs import quality
 
     try:
         ev = quality.read_eval(spec.output_dir)

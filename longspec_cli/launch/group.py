@@ -17,8 +17,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from longspec_cli.core import liveness, runrecord
-from longspec_cli.errors import RefusedError
+from longspec.machine import liveness
+from longspec.runs import runrecord
+from longspec.errors import RefusedError
 
 GRACE_INT_S = 15.0  # after SIGINT: time for the ranks to unwind and the launcher to clean up
 GRACE_TERM_S = 10.0  # after SIGTERM, before SIGKILL

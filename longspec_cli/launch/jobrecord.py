@@ -12,7 +12,7 @@ queued under the job id, so `status`, `run` and `stop` see the job before it sta
 `longspec stop` for a job: the request is written into every record of the job (so the batch script
 does not requeue itself), then the job's batch shell and steps get SIGUSR1 (the ranks save at their
 step and exit 5), and the job is waited for; a queued job, `--now` or a save that takes too long is
-cancelled outright. The record's format and meaning belong to core/runrecord.py.
+cancelled outright. The record's format and meaning belong to longspec/runs/runrecord.py.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from longspec_cli.core import runrecord
+from longspec.runs import runrecord
 
 
 def record_submission(stages: list[tuple[str, Path]], job_id: str, *, nodes: int, ranks_per_node: int,
@@ -48,7 +48,7 @@ class JobStop:
 def stop_job(job_id: str, records: list[tuple[str, Path]], *, save: bool, save_timeout: float,
              say: Callable[[str], None] = print, poll_s: float = 1.0) -> JobStop:
     """Stop SLURM job `job_id`, whose run records are `records` [(stage, output_dir)]."""
-    from longspec_cli.core import scheduler
+    from longspec.runs import scheduler
 
     t0 = time.monotonic()
     for _, out in records:
@@ -77,7 +77,7 @@ def stop_job(job_id: str, records: list[tuple[str, Path]], *, save: bool, save_t
 
 def _wait_job(job_id: str, timeout: float, poll_s: float):
     """Until the job neither runs nor waits in the queue with a start ahead (bounded)."""
-    from longspec_cli.core import scheduler
+    from longspec.runs import scheduler
 
     deadline = time.monotonic() + timeout
     while True:
@@ -88,7 +88,7 @@ def _wait_job(job_id: str, timeout: float, poll_s: float):
 
 
 def _preempted(out: Path) -> bool:
-    from longspec_cli.core import runfolder
+    from longspec.runs import runfolder
 
     last = runfolder.last_lifecycle_event(runfolder.RunDir(out).events())
     return last is not None and last.get("event") == "preempted"

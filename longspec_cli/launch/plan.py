@@ -1,6 +1,6 @@
 """`longspec run`, step 1: what each stage will do, and the types a run passes around.
 
-    plan      status of every stage (core.status) -> skip (done, same config, same input draft) |
+    plan      status of every stage (runs.status) -> skip (done, same config, same input draft) |
               start | resume (complete checkpoints) | rerun (done or stale: the old run folder is
               moved aside, the stage starts fresh); every stage downstream of a (re)run reruns too
 """
@@ -12,9 +12,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from longspec_cli.core import runfolder
-from longspec_cli.core.manifest import Manifest, StageSpec
-from longspec_cli.errors import RefusedError, UsageError
+from longspec.runs import runfolder
+from longspec.project.manifest import Manifest, StageSpec
+from longspec.errors import RefusedError, UsageError
 from longspec_cli.launch import argv as A
 
 
@@ -76,7 +76,7 @@ class StageOutcome:
 
     def take_eval(self, ev: dict) -> None:
         """tau and speed-up of the chain, and the tree's tau, from an eval.json (old files: chain only)."""
-        from longspec_cli.core import quality
+        from longspec.runs import quality
 
         chain, tree = quality.method_figures(ev, "chain"), quality.method_figures(ev, "tree")
         head = chain if chain is not None else ev
@@ -107,7 +107,7 @@ def as_float(v: Any) -> float | None:
 
 def exp_location(spec: StageSpec) -> tuple[Path, str]:
     """(conf dir, exp name) for `--config-dir CONF +exp=NAME`: the config must be CONF/exp/NAME.yaml."""
-    from longspec_cli.core.hydracompose import stage_location
+    from longspec.project.hydracompose import stage_location
 
     loc = stage_location(spec.config)
     if loc is None:
@@ -117,8 +117,8 @@ def exp_location(spec: StageSpec) -> tuple[Path, str]:
 
 
 def composed(path: Path, overrides: tuple[str, ...] = ()):
-    """The stage as the trainer will compose it (core.hydracompose reuses it while its files are unchanged)."""
-    from longspec_cli.core.hydracompose import compose_stage
+    """The stage as the trainer will compose it (project.hydracompose reuses it while its files are unchanged)."""
+    from longspec.project.hydracompose import compose_stage
 
     return compose_stage(path, list(overrides))
 
@@ -134,13 +134,13 @@ def file_state(path: Path) -> tuple | None:
 def plan_stages(manifest: Manifest, req: RunRequest, world: int | None = None) -> list[StagePlan]:
     """What each stage this command runs will do (the stages in scope, in order).
 
-    Every stage is first judged by its own record (core.status: its run's own overrides). Those
+    Every stage is first judged by its own record (runs.status: its run's own overrides). Those
     that this command runs are then judged with the command's overrides: a finished one is done
     when its math keys are unchanged and its input draft is its upstream's current one; an
     interrupted one resumes unless its math keys changed (refused, keys named, checkpoints kept).
     Raises RefusedError when a stage in scope is owned by a live run, when its upstream is not in
     scope and not done, or when its checkpoints cannot be resumed with this config."""
-    from longspec_cli.core.status import FINISHED, LIVE, draft_current, finished_changes, project_status
+    from longspec.runs.status import FINISHED, LIVE, draft_current, finished_changes, project_status
 
     statuses = {s.name: s for s in project_status(manifest)}
     scope = _scope(manifest, statuses, req)
@@ -200,7 +200,7 @@ def _scope(manifest: Manifest, statuses: dict, req: RunRequest) -> list[str]:
 
 def _finished_reasons(spec: StageSpec, complete: dict, overrides: list[str], finished_changes) -> list[str]:
     """Why a finished stage would train again with the command's overrides ([] = it is done)."""
-    from longspec_cli.core.mathkeys import UNSET, math_config
+    from longspec.project.mathkeys import UNSET, math_config
 
     try:
         changed = finished_changes(spec, complete, overrides)
@@ -217,7 +217,7 @@ def _finished_reasons(spec: StageSpec, complete: dict, overrides: list[str], fin
 
 
 def _stage_overrides(spec: StageSpec, overrides: list[str]) -> list[str]:
-    from longspec_cli.core.hydracompose import stage_overrides
+    from longspec.project.hydracompose import stage_overrides
 
     return stage_overrides(spec.output_dir, overrides)
 
@@ -226,7 +226,7 @@ def _check_resumable(manifest: Manifest, spec: StageSpec, overrides: list[str], 
     """Refuse, as the trainer would, a resume whose math keys changed, or on other ranks than its
     checkpoint's, or at another sequence_parallel_size with other sequences per step (``world``:
     the launch's ranks, None: unknown); the checkpoints are kept."""
-    from longspec_cli.core.mathkeys import batch_keys_free, layout_blocker, math_config, resume_blockers, show_changes
+    from longspec.project.mathkeys import batch_keys_free, layout_blocker, math_config, resume_blockers, show_changes
 
     newest = runfolder.RunDir(spec.output_dir).checkpoints()[-1]
     saved, saved_layout = newest.info.get("math"), newest.info.get("layout")

@@ -10,10 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from longspec_cli.core.manifest import Manifest, StageSpec
-from longspec_cli.errors import LongspecError, RefusedError, UsageError
+from longspec.project.manifest import Manifest, StageSpec
+from longspec.errors import LongspecError, RefusedError, UsageError
 from longspec_cli.launch import argv as A
-from longspec_cli.core import memory as M
+from longspec.machine import memory as M
 from longspec_cli.launch.plan import Console, StagePlan, composed
 
 
@@ -21,7 +21,7 @@ def check_overrides(spec: StageSpec, overrides: list[str]) -> None:
     """Hydra's override parser, then the stage composed with the overrides, as the trainer will:
     an override Hydra refuses (a key that is not there, a typo) is a usage error (exit 2) here,
     before anything starts. Values that do not fit (save_steps=0) are validation errors."""
-    from longspec_cli.core.hydracompose import stage_overrides
+    from longspec.project.hydracompose import stage_overrides
 
     A.check_overrides(overrides)
     if not overrides or not spec.config.is_file():
@@ -42,7 +42,7 @@ def validation_problems(manifest: Manifest, plans: list[StagePlan], world: int,
 
     Each stage is composed with the command line's overrides, as the trainer will compose it.
     """
-    from longspec_cli.core.validate import validate_paths
+    from longspec.project.validate import validate_paths
 
     targets = [only] if only else [p for p in plans if p.action != "skip"]
     configs = {str(p.spec.config) for p in targets}
@@ -96,7 +96,7 @@ def world_label(res: A.Resources) -> str:
 
 def stage_shape(manifest: Manifest, spec: StageSpec, overrides: list[str], res: A.Resources) -> M.StageShape | None:
     """The memory-estimate inputs of a stage, from its composed config + overrides; None if unknown."""
-    from longspec_cli.core import presets
+    from longspec.project import presets
 
     data = _stage_data(spec, overrides)
     if data is None:
@@ -143,7 +143,7 @@ def stage_shape(manifest: Manifest, spec: StageSpec, overrides: list[str], res: 
 
 def _stage_data(spec: StageSpec, overrides: list[str]) -> dict | None:
     """The stage's config composed with the command-line overrides (None if it does not compose)."""
-    from longspec_cli.core.hydracompose import stage_overrides
+    from longspec.project.hydracompose import stage_overrides
 
     c = composed(spec.config, tuple(stage_overrides(spec.output_dir, overrides)))
     if not c.ok or not isinstance(c.data, dict):
@@ -154,7 +154,7 @@ def _stage_data(spec: StageSpec, overrides: list[str]) -> dict | None:
 def disk_reports(manifest: Manifest, todo: list[StagePlan], overrides: list[str],
                  res: A.Resources) -> list[tuple[StagePlan, str, str | None]]:
     """(plan, estimate line, warning or None) per stage; stages on one disk add up in order."""
-    from longspec_cli.core.diskspace import existing_parent
+    from longspec.runs.diskspace import existing_parent
     from longspec_cli.launch import disk as D
 
     out, used = [], {}  # device -> bytes the earlier stages of this run will have written there
@@ -186,9 +186,9 @@ def project_disk_problems(path) -> list:
     """`validate`: one warning per stage of the project at `path` (a folder or its longspec.yaml)
     whose checkpoints and final weights would not fit on its output_dir's disk. Stages that are
     done are left out; a path that is not a project gives none (validate reports it otherwise)."""
-    from longspec_cli.core.manifest import load_manifest
-    from longspec_cli.core.problem import Problem
-    from longspec_cli.core.status import project_status
+    from longspec.project.manifest import load_manifest
+    from longspec.project.problem import Problem
+    from longspec.runs.status import project_status
 
     path = Path(path)
     if not (path / "longspec.yaml").is_file() and path.name != "longspec.yaml":

@@ -11,13 +11,13 @@ from pathlib import Path
 import sys
 from typing import Any
 
-from longspec_cli.core import prepared as P
-from longspec_cli.core.manifest import Manifest, StageSpec
+from longspec.formats import prepared as P
+from longspec.project.manifest import Manifest, StageSpec
 
 
 def stage_conf(spec: StageSpec, overrides: list[str] = ()) -> dict[str, Any] | None:
     """The stage's composed config with the command-line overrides applied; None if unreadable."""
-    from longspec_cli.core.hydracompose import stage_overrides
+    from longspec.project.hydracompose import stage_overrides
     from longspec_cli.launch import plan
 
     c = plan.composed(spec.config, tuple(stage_overrides(spec.output_dir, list(overrides))))
@@ -48,7 +48,7 @@ def prepare_argv(spec: StageSpec, overrides: list[str], world: int, workers: int
 def run_prepare(spec: StageSpec, overrides: list[str], world: int, workers: int | None = None,
                 show_progress: bool = True) -> dict:
     """Tokenize (or find) the stage's cache in a child process; its JSON result."""
-    from longspec_cli.core.trainerjson import run_trainer_json
+    from longspec_cli.launch.trainerjson import run_trainer_json
 
     return run_trainer_json(prepare_argv(spec, list(overrides), world, workers), show_progress=show_progress)
 
@@ -83,7 +83,7 @@ def ensure_prepared(manifest: Manifest, spec: StageSpec, overrides: list[str], w
 
 def run_show(spec: StageSpec, overrides: list[str], count: int) -> dict:
     """The stage's first `count` records as the trainer encodes them (`python -m longspec.show`)."""
-    from longspec_cli.core.trainerjson import run_trainer_json
+    from longspec_cli.launch.trainerjson import run_trainer_json
     from longspec_cli.launch.plan import exp_location
 
     conf, exp = exp_location(spec)

@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, TextIO
 
-from longspec_cli.core import liveness, runfolder, runrecord
-from longspec_cli.core.tail import LineTail, last_lines
-from longspec_cli.errors import RefusedError
+from longspec.machine import liveness
+from longspec.runs import runfolder, runrecord
+from longspec.files.tail import LineTail, last_lines
+from longspec.errors import RefusedError
 from longspec_cli.launch.argv import INSTALL_HINT, LaunchCommand
 from longspec_cli.launch.group import (GRACE_INT_S, GRACE_TERM_S, SAVE_TIMEOUT_S, is_node_launcher, request_save,
                                        terminate_group, trainer_ranks, utc_now, wait_group)
@@ -264,8 +265,8 @@ def run_stage_process(cmd: LaunchCommand, output_dir: Path, stage: str, override
 
 def _write_failed(path: Path, output_dir: Path, e: OSError) -> None:
     """One of the launcher's own writes failed: say which, the free space and the resume point (exit 4)."""
-    from longspec_cli.core import diskspace
-    from longspec_cli.errors import RunFailed
+    from longspec.runs import diskspace
+    from longspec.errors import RunFailed
 
     raise RunFailed(diskspace.write_failure(path, output_dir, e),
                     hint="free some space (or point output_dir elsewhere) and run again") from None

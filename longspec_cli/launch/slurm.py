@@ -24,7 +24,7 @@ Stop signals, none lost (the script's own comments say the same, where it does i
   task it ended) the job requeues itself (`#SBATCH --requeue`, `scontrol requeue`): the new run
   skips the stages this job finished and resumes the preempted one from its checkpoint. Unless
   `longspec stop` asked the job to stop (the run record says so): then it ends, exit 130.
-- The run record (core/runrecord.py through launch/jobrecord.py) is written before and after
+- The run record (longspec/runs/runrecord.py through launch/jobrecord.py) is written before and after
   each stage's step.
 """
 
@@ -63,7 +63,7 @@ _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 
 def time_limit_s(text: str) -> int:
     """SLURM's time formats (sbatch --time) in seconds: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S."""
-    from longspec_cli.errors import UsageError
+    from longspec.errors import UsageError
 
     m = _TIME.match(text.strip())
     if not m or text.strip() in ("0",):
@@ -94,7 +94,7 @@ class SlurmOptions:
 
     def lead(self) -> int:
         """The signal lead, checked against the time limit (exit 2 when it cannot work)."""
-        from longspec_cli.errors import UsageError
+        from longspec.errors import UsageError
 
         lead = SIGNAL_AHEAD_S if self.signal_lead_s is None else self.signal_lead_s
         if not 0 < lead <= MAX_SIGNAL_S:
@@ -113,7 +113,7 @@ class SlurmOptions:
         out += [f"--account={self.account}"] if self.account else []
         for arg in self.extra:
             if not arg.startswith("-") or "\n" in arg:
-                from longspec_cli.errors import UsageError
+                from longspec.errors import UsageError
 
                 raise UsageError(f"--sbatch-arg {arg!r}: one sbatch option, e.g. --sbatch-arg=--qos=high")
             out.append(arg)
@@ -303,12 +303,12 @@ def write_slurm(req, opts: SlurmOptions | None = None, *, submit: bool, out=None
     import shutil
     import subprocess
 
-    from longspec_cli.core.atomic import atomic_write_text
-    from longspec_cli.core.manifest import load_manifest
-    from longspec_cli.errors import RefusedError, UsageError
+    from longspec.files.atomic import atomic_write_text
+    from longspec.project.manifest import load_manifest
+    from longspec.errors import RefusedError, UsageError
     from longspec_cli.launch import argv as A
     from longspec_cli.launch import plan, preflight
-    from longspec_cli.core.opsdir import ops_build_dir
+    from longspec.machine.opsdir import ops_build_dir
 
     opts = opts or SlurmOptions()
     console = plan.Console(out)

@@ -4,7 +4,7 @@ ProjectFollower
   open()            read the tail of every file: enough for the first screen, in milliseconds
   load_history(i)   read stage i's metrics.jsonl before that tail (slow; call it in a worker)
   poll()            read what was appended since the last poll (one stat or open per file)
-  status_due()      True when a run folder changed shape: recompute core.status in a worker
+  status_due()      True when a run folder changed shape: recompute runs.status in a worker
   view()            an immutable ProjectView to render
 
 Only the thread that calls poll() mutates a StageFollow; load_history() and refresh_status()
@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from longspec_cli.core import runfolder, runrecord
-from longspec_cli.core.manifest import Manifest, StageSpec, load_manifest
+from longspec.runs import runfolder, runrecord
+from longspec.project.manifest import Manifest, StageSpec, load_manifest
 from longspec_cli.tui import alerts as A
 from longspec_cli.tui.series import ChartData, Series, finite_or_nan
 from longspec_cli.tui.simtau_series import SimTauSeries, falling_alert
-from longspec_cli.core.tail import LineTail, read_range_chunks
+from longspec.files.tail import LineTail, read_range_chunks
 from longspec_cli.tui.views import ProjectView, StageView
 
 TAIL_RECORDS = 2000  # step records read at open, before history arrives
@@ -229,7 +229,7 @@ class StageFollow:
 
     def _alive(self) -> bool | None:
         """A live run owns the folder (True), none does (False), or it cannot be told from here (None):
-        a process group, or a SLURM job queued, running or requeued (core/runrecord.py)."""
+        a process group, or a SLURM job queued, running or requeued (longspec/runs/runrecord.py)."""
         own = runrecord.owner(self.run_info)
         return None if own.state == "unknown" else own.live
 
@@ -401,7 +401,7 @@ class ProjectFollower:
 
     def refresh_status(self) -> tuple[tuple, list]:
         """(structure key, core statuses). Slow on a fresh multi-GB draft (hashing): use a worker."""
-        from longspec_cli.core.status import project_status
+        from longspec.runs.status import project_status
 
         key = self.structure_key()
         statuses = project_status(self.manifest)
@@ -430,7 +430,7 @@ class ProjectFollower:
 
 def _note_prepared(manifest, statuses: list) -> None:
     """A reason line per stage whose data is prepared (tokens, epochs covered), stale or corrupt."""
-    from longspec_cli.core.prepared import project_prepared
+    from longspec.formats.prepared import project_prepared
 
     prepared = project_prepared(manifest)
     for st in statuses:

@@ -2,9 +2,9 @@
 
 Threads: one polling worker owns the ProjectFollower (tails every run-folder file each
 `poll_s`, merges history and status results, posts ViewUpdated when what is shown changed);
-a history worker reads the metrics before the opening tail; a status worker runs core.status
+a history worker reads the metrics before the opening tail; a status worker runs runs.status
 when a run folder changed shape. Keys start `longspec run` / `longspec stop` as subprocesses
-and edit configs only through core.chain, after a confirm dialog that shows the diff.
+and edit configs only through launch.chain, after a confirm dialog that shows the diff.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from textual.message import Message
 from textual.widgets import Footer, Header
 from textual.worker import get_current_worker
 
-from longspec_cli.errors import LongspecError
+from longspec.errors import LongspecError
 from longspec_cli.tui.follow import History, ProjectFollower
 from longspec_cli.tui.sysinfo import Sampler, SysSample
 from longspec_cli.tui.views import ProjectView
@@ -279,7 +279,7 @@ class MonitorApp(App[None]):
 
     @work(thread=True, exclusive=True, group="chain")
     def plan_chain(self, stage: str) -> None:
-        from longspec_cli.core.chain import chain_project
+        from longspec_cli.launch.chain import chain_project
 
         try:
             res = chain_project(self.follower.manifest, stage, dry_run=True, deep=False)
@@ -307,7 +307,7 @@ class MonitorApp(App[None]):
 
     @work(thread=True, exclusive=True, group="chain")
     def apply_chain(self, stage: str) -> None:
-        from longspec_cli.core.chain import chain_project
+        from longspec_cli.launch.chain import chain_project
 
         try:
             res = chain_project(self.follower.manifest, stage, dry_run=False, deep=self.deep_check)

@@ -1,9 +1,9 @@
 """The `longspec init` form: run_wizard(defaults) -> InitAnswers | None.
 
 The form checks as you type (the target's family from its config.json, each stage's data file
-against its collator, core.validate on the files that would be written) and previews every
+against its collator, project.validate on the files that would be written) and previews every
 file. Nothing is written here: confirming returns the answers, and `init` writes them with the
-same code as the flag path (core.scaffold), so the same answers give the same files.
+same code as the flag path (launch.scaffold), so the same answers give the same files.
 Esc or Ctrl-C returns None.
 """
 
@@ -19,8 +19,8 @@ from textual.containers import Horizontal
 from textual.message import Message
 from textual.widgets import Button, Checkbox, Footer, Header, Input, Select
 
-from longspec_cli.core import presets as P
-from longspec_cli.core.scaffold import InitAnswers
+from longspec.project import presets as P
+from longspec_cli.launch.scaffold import InitAnswers
 from longspec_cli.tui.widgets.confirm import ConfirmScreen
 from longspec_cli.tui.widgets.init_form import InitForm
 from longspec_cli.tui.widgets.plan_view import PlanView

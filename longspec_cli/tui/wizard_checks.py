@@ -3,7 +3,7 @@
   detect_family(path)        target folder -> (family, detail) from config.json model_type/architectures
   check_data(path, collator) the data file exists and its first records have the fields the stage's
                              collator reads
-  plan_and_validate(answers) the files `init` would write, and core.validate's problems for them
+  plan_and_validate(answers) the files `init` would write, and project.validate's problems for them
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from longspec_cli.core import datafiles, targets
-from longspec_cli.core.datafiles import COLLATOR_COLUMNS as COLLATOR_FIELDS
+from longspec.formats import datafiles
+from longspec.project import targets
+from longspec.formats.datafiles import COLLATOR_COLUMNS as COLLATOR_FIELDS
 SAMPLE_RECORDS = 5
 SAMPLE_BYTES = 1 << 20
 
@@ -133,21 +134,21 @@ def _check_columns(src: datafiles.Source, collator: str) -> Check:
 @dataclass(frozen=True)
 class Plan:
     files: dict[Path, str]  # path -> text, as `init` would write them
-    problems: tuple[Any, ...] = ()  # core.validate Problems (paths mapped back to the project)
+    problems: tuple[Any, ...] = ()  # project.validate Problems (paths mapped back to the project)
     error: str | None = None  # the answers cannot be rendered at all (no target, bad number ...)
 
 
 def plan_and_validate(answers: Any) -> Plan:
-    """Render the answers (core.scaffold.plan_project) and validate them with core.validate.
+    """Render the answers (launch.scaffold.plan_project) and validate them with project.validate.
 
     Validation needs files on disk: the same answers are rendered for a private temporary folder
     that is deleted at once, and its paths are mapped back to the real project folder in the
     messages. The project folder itself is never touched.
     """
-    from longspec_cli.core import presets as P
-    from longspec_cli.core.scaffold import plan_project
-    from longspec_cli.core.validate import validate_paths
-    from longspec_cli.errors import LongspecError
+    from longspec.project import presets as P
+    from longspec_cli.launch.scaffold import plan_project
+    from longspec.project.validate import validate_paths
+    from longspec.errors import LongspecError
 
     try:
         files = plan_project(answers)

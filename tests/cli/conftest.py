@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from longspec_cli.core.runfolder import config_fingerprint
+from longspec.runs.runfolder import config_fingerprint
 
 ROOT = Path(__file__).resolve().parents[2]
 HAS_TORCH = importlib.util.find_spec("torch") is not None
@@ -203,8 +203,8 @@ def finish_stage(project: Project, stage: str, weights: bytes, *, steps: int = 4
         "draft_sha256": draft_sha256, "finished_at": "2024-01-01T00:00:00Z", "weights": "draft_model_weights.pth",
     }
     if math:
-        from longspec_cli.core.hydracompose import compose_stage, stage_overrides
-        from longspec_cli.core.mathkeys import math_config
+        from longspec.project.hydracompose import compose_stage, stage_overrides
+        from longspec.project.mathkeys import math_config
 
         composed = compose_stage(project.config(stage), stage_overrides(out, overrides or []))
         assert composed.ok, composed.problems

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 
-from longspec_cli.core import regenstate
-from longspec_cli.core.manifest import load_manifest
+from longspec.runs import regenstate
+from longspec.project.manifest import load_manifest
 from longspec_cli.launch.regen import DEMO_HELD_OUT, DEMO_PREFIX_TOKENS, demo_plan
 
 

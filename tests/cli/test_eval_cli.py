@@ -1,4 +1,4 @@
-"""`longspec eval` / `longspec export` and the quality gate (longspec_cli.core.quality).
+"""`longspec eval` / `longspec export` and the quality gate (longspec.runs.quality).
 
 The CLI never imports torch: refusals are checked in-process; the slow tests run the real
 subprocesses on a tiny-preset project whose base stage is finished per the run-folder contract
@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from tests import needs
 from longspec_cli.app import app
-from longspec_cli.core.quality import (EvalFileError, eval_command, eval_is_current, gate_check, gate_stage,
+from longspec.runs.quality import (EvalFileError, eval_command, eval_is_current, gate_check, gate_stage,
                                       read_eval)
 
 from .conftest import HAS_TORCH, finish_stage, no_traceback, panel_text
@@ -164,7 +164,7 @@ def test_eval_command_passes_methods_shape_and_temperature(tmp_path):
 
 
 def test_the_gate_compares_the_longest_bucket_with_prompts(tmp_path):
-    from longspec_cli.core.quality import length_rows
+    from longspec.runs.quality import length_rows
 
     def bucket(n, prompts, tau, base):
         return {"length": n, "prompts": prompts, "chain": {"tau": tau}, "baseline": {"tau": base}}
@@ -198,7 +198,7 @@ def test_export_refusals(project, drafts):
 
 def test_cli_modules_never_import_torch():
     code = ("import sys, longspec_cli.app, longspec_cli.commands.eval, longspec_cli.commands.export, longspec_cli.commands.regenerate, "
-            "longspec_cli.core.quality; bad = [m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules]; "
+            "longspec.runs.quality; bad = [m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -212,8 +212,8 @@ from pathlib import Path
 from transformers import AutoConfig
 from longspec.model.weights import save_draft
 from longspec.model.glide import DraftConfig, GlideDraft
-from longspec_cli.core.atomic import sha256_file
-from longspec_cli.core.runfolder import config_fingerprint
+from longspec.files.atomic import sha256_file
+from longspec.runs.runfolder import config_fingerprint
 stage, collator, seed, target, out, exp, train_file, upstream_sha = sys.argv[1:9]
 target, out, exp = Path(target), Path(out), Path(exp)
 torch.manual_seed(int(seed))
@@ -238,8 +238,8 @@ def tiny_project(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny") / "proj"
     res = runner.invoke(app, ["init", str(root), "--preset", "tiny", "--no-input"])
     assert res.exit_code == 0, res.output
-    from longspec_cli.core import yamlio
-    from longspec_cli.core.manifest import load_manifest
+    from longspec.files import yamlio
+    from longspec.project.manifest import load_manifest
 
     m = load_manifest(root)
     sha = ""

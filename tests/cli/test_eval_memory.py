@@ -1,6 +1,6 @@
 """`eval` past 32k: the default length buckets follow max_seq_length up to 128k, and a bucket the
 device cannot hold (the target's KV cache at that length, the weights, one layer's prefill) is
-refused with the figures before anything heavy loads (longspec_cli.core.evalmemory), by
+refused with the figures before anything heavy loads (longspec.machine.evalmemory), by
 `longspec eval` before it starts longspec.evaluate."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import json
 from typer.testing import CliRunner
 
 from longspec_cli.app import app
-from longspec_cli.core import evalmemory as EM
-from longspec_cli.core.memory import GiB, ModelSize
+from longspec.machine import evalmemory as EM
+from longspec.machine.memory import GiB, ModelSize
 
 from .conftest import finish_stage, no_traceback, panel_text
 

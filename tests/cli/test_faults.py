@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from longspec_cli.core import liveness, runfolder
-from longspec_cli.core.opsdir import ops_build_dir
+from longspec.machine import liveness
+from longspec.runs import runfolder
+from longspec.machine.opsdir import ops_build_dir
 from tests.needs import small_disk
 from tests.cli.test_run import LONGSPEC, ROOT, cli, cpu_env, flat, last_step, wait_for
 

@@ -89,7 +89,7 @@ def baseline_sha(run: Path) -> str:
 def finished(tmp_path):
     """A tiny-preset project whose three stages are done (stand-in drafts) with current eval.json files:
     long's tau 2.0 against base's draft 2.5 on the same prompts (-20%)."""
-    from longspec_cli.core.manifest import load_manifest
+    from longspec.project.manifest import load_manifest
 
     proj = scaffold(tmp_path)
     base, long, longcot = load_manifest(proj).stages

@@ -1,6 +1,6 @@
 """Every `--flag` a hint or error message names exists on the verb that prints it.
 
-The walk reads the CLI's source (ast): the text of every `hint=` and of every error / problem
+The walk reads the CLI's source and the library's torch-free groups (ast): the text of every `hint=` and of every error / problem
 constructor call (f-strings with their values left blank). A flag after `longspec VERB` in that
 text must be an option of VERB; any other flag must be an option of every verb that can print the
 module's messages (MODULE_VERBS). Options come from the click command that Typer builds, so a
@@ -23,6 +23,8 @@ from longspec_cli.app import app
 
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "longspec_cli"
+# The library's torch-free groups the verbs call (their messages reach the terminal the same way).
+GROUND = [ROOT / "longspec" / g for g in ("project", "runs", "files", "formats", "machine")]
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 VERB_CALL = re.compile(r"longspec ([a-z][a-z-]*)((?:(?!longspec )[^`\n;])*)")  # up to a backtick
 MESSAGE_CALL = re.compile(r"(Error|Failed|Problem|problem)$")
@@ -33,10 +35,10 @@ MODULE_VERBS = {
     # demo runs the same pipeline (see NOT_FROM_DEMO)
     **{f"launch/{m}.py": ("run", "demo") for m in ("plan", "preflight", "execute", "gate")},
     "launch/": ("run",),
-    "core/validate.py": ("validate",),
-    "core/checks/": ("validate", "run"),
-    "core/chain.py": ("next-stage",),  # run reaches only its project mode, whose hints name their verb
-    "core/scaffold.py": ("init",),
+    "longspec/project/validate.py": ("validate",),
+    "longspec/project/checks/": ("validate", "run"),
+    "launch/chain.py": ("next-stage",),  # run reaches only its project mode, whose hints name their verb
+    "launch/scaffold.py": ("init",),
 }
 
 
@@ -82,7 +84,7 @@ def messages(path: Path) -> list[tuple[int, str]]:
 
 
 def verbs_of(path: Path) -> tuple[str, ...]:
-    rel = path.relative_to(PKG).as_posix()
+    rel = path.relative_to(ROOT).as_posix().removeprefix("longspec_cli/")
     if rel.startswith("commands/"):
         return (path.stem.replace("_", "-"),)
     return next((v for k, v in MODULE_VERBS.items() if rel.startswith(k)), ())
@@ -91,7 +93,7 @@ def verbs_of(path: Path) -> tuple[str, ...]:
 def hint_flags() -> list[tuple[str, str, str, str]]:
     """(where, verb, flag, text) for every flag a message names."""
     found = []
-    for path in sorted(PKG.rglob("*.py")):
+    for path in sorted(PKG.rglob("*.py")) + sorted(p for g in GROUND for p in g.rglob("*.py")):
         for line, text in messages(path):
             where = f"{path.relative_to(ROOT)}:{line}"
             claimed = []

@@ -24,7 +24,7 @@ import pytest
 from typer.testing import CliRunner
 
 from longspec_cli.app import app
-from longspec_cli.core.validate import validate_paths
+from longspec.project.validate import validate_paths
 from longspec.training import entry   # Hydra's main of the trainer (no torch at import)
 
 runner = CliRunner()
@@ -257,7 +257,7 @@ def test_cfg_job_resolve_of_the_real_trainer_equals_config_and_warns_nothing(tmp
 @pytest.fixture
 def compose_count(tmp_path, monkeypatch):
     """An empty cache root, no composition remembered in this process, and a count of real compositions."""
-    from longspec_cli.core import hydracompose as H
+    from longspec.project import hydracompose as H
 
     monkeypatch.setenv("LONGSPEC_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(H, "_COMPOSED", {})
@@ -275,8 +275,8 @@ def compose_count(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name,stage,extra,overrides,_", SHAPES, ids=[s[0] for s in SHAPES])
 def test_a_cached_composition_is_exactly_the_fresh_one(name, stage, extra, overrides, _, tmp_path, assets,
                                                        compose_count, monkeypatch):
-    from longspec_cli.core import composecache
-    from longspec_cli.core import hydracompose as H
+    from longspec.project import composecache
+    from longspec.project import hydracompose as H
 
     proj = project(tmp_path, assets, stage, extra)
     path, args = proj / "conf" / "exp" / "s.yaml", [out_dir(proj), *overrides]
@@ -290,7 +290,7 @@ def test_a_cached_composition_is_exactly_the_fresh_one(name, stage, extra, overr
 
 
 def test_an_edited_stage_file_recomposes_that_stage_only(tmp_path, assets, compose_count, monkeypatch):
-    from longspec_cli.core import hydracompose as H
+    from longspec.project import hydracompose as H
 
     proj = project(tmp_path, assets, CLEAN, {"conf/exp/t.yaml": CLEAN.replace("stage: s", "stage: t")})
     s, t = proj / "conf" / "exp" / "s.yaml", proj / "conf" / "exp" / "t.yaml"

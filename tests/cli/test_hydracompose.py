@@ -1,5 +1,5 @@
 """Hydra composes the stage; what it does not say is added: file:line of every key and every
-problem, all problems at once, hints that say the fix (core.hydracompose, `longspec config`)."""
+problem, all problems at once, hints that say the fix (project.hydracompose, `longspec config`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import json
 from typer.testing import CliRunner
 
 from longspec_cli.app import app
-from longspec_cli.core.hydracompose import compose_stage
-from longspec_cli.core.hydraproblems import HEADER_HINT
+from longspec.project.hydracompose import compose_stage
+from longspec.project.hydraproblems import HEADER_HINT
 
 runner = CliRunner()
 
@@ -132,8 +132,8 @@ def test_yaml_1_1_scalars_read_as_omegaconf_reads_them(project):
 
 
 def test_every_check_runs_on_the_hydra_composition():
-    from longspec_cli.core import validate
-    from longspec_cli.core.composed import Composed
+    from longspec.project import validate
+    from longspec.project.composed import Composed
 
     assert validate.check_target_family in validate.FILE_CHECKS
     assert all(check.__annotations__.get("c") in ("Composed", Composed) for check in validate.FILE_CHECKS)

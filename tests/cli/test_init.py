@@ -12,9 +12,9 @@ import pytest
 from typer.testing import CliRunner
 
 from longspec_cli.app import app
-from longspec_cli.core import presets as P
-from longspec_cli.core.scaffold import InitAnswers, plan_project, yaml_scalar
-from longspec_cli.core.yamlio import load_mapping, parse, to_plain
+from longspec.project import presets as P
+from longspec_cli.launch.scaffold import InitAnswers, plan_project, yaml_scalar
+from longspec.files.yamlio import load_mapping, parse, to_plain
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,15 +142,15 @@ def test_templates_ship_in_the_wheel(tmp_path):
     (wheel,) = wheel_dir.glob("longspec-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     for f in ("presets.yaml", "stages.yaml", "exp/stage.yaml", "deepspeed/zero3_offload_cosine.yaml"):
-        assert f"longspec_cli/_templates/{f}" in names
+        assert f"longspec/_templates/{f}" in names
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
                    check=True, capture_output=True)
     for f in ("conf/config.yaml", "train.py", "training/__init__.py", "training/loop.py", "data/encoding.py"):
         assert f"longspec/{f}" in names                       # the trainer's groups ship too
-    code = ("from longspec_cli.core import hydracompose, presets, trainerjson\n"
+    code = ("from longspec.project import hydracompose, presets; from longspec_cli.launch import trainerjson\n"
             "print(presets.templates_dir()); print(hydracompose.trainer_conf_dir()); print(trainerjson.trainer_root())\n"
-            "from longspec_cli.core.prepared import collator_version; print(collator_version())")
+            "from longspec.formats.prepared import collator_version; print(collator_version())")
     out = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
                          cwd=tmp_path, capture_output=True, text=True, check=True)
     templates, conf, root, version = out.stdout.split()

@@ -10,10 +10,10 @@ import pytest
 from typer.testing import CliRunner
 
 from longspec_cli.app import app
-from longspec_cli.core import presets as P
-from longspec_cli.core.scaffold import InitAnswers, plan_project
-from longspec_cli.core.targets import SUPPORTED_FAMILIES, read_target, refusal
-from longspec_cli.core.yamlio import load_mapping, parse, to_plain
+from longspec.project import presets as P
+from longspec_cli.launch.scaffold import InitAnswers, plan_project
+from longspec.project.targets import SUPPORTED_FAMILIES, read_target, refusal
+from longspec.files.yamlio import load_mapping, parse, to_plain
 
 from .conftest import panel_text
 
@@ -135,7 +135,7 @@ def test_validate_flags_a_stage_whose_target_family_is_unsupported(tmp_path):
 @pytest.mark.parametrize("name, family, context, billions", [
     ("qwen3-8b", "qwen3", 40960, 8.2), ("qwen3-32b", "qwen3", 40960, 32.8), ("llama3.1-8b-instruct", "llama", 131072, 8.0)])
 def test_new_presets_render_within_their_context(tmp_path, name, family, context, billions):
-    from longspec_cli.core.memory import ModelSize
+    from longspec.machine.memory import ModelSize
 
     preset = P.get_preset(name)
     assert (preset.family, preset.context) == (family, context)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from longspec_cli.errors import RefusedError, UsageError
+from longspec.errors import RefusedError, UsageError
 from longspec_cli.launch import argv as A
 from longspec_cli.launch import slurm as S
 
@@ -285,7 +285,7 @@ def test_overrides_hydra_would_reject_are_usage_errors(bad, why):
 def test_deepspeed_missing_is_one_sentence_about_the_train_extra(tmp_path):
     # A Python without deepspeed (-S drops site-packages) asks for the extra, with no traceback.
     code = ("import sys; sys.path.insert(0, %r)\n"
-            "from longspec_cli.errors import LongspecError\n"
+            "from longspec.errors import LongspecError\n"
             "from longspec_cli.launch import argv\n"
             "try:\n    argv.deepspeed_command()\nexcept LongspecError as e:\n"
             "    print(e.message); print(e.hint)\n") % str(ROOT)

@@ -1,4 +1,4 @@
-"""Process liveness (core/liveness.py): pid + start time, so a reused pid is never the run; a run
+"""Process liveness (longspec/machine/liveness.py): pid + start time, so a reused pid is never the run; a run
 on another host cannot be checked; a process group's live members."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from longspec_cli.core import liveness as L
+from longspec.machine import liveness as L
 
 
 def test_pid_alive_needs_the_same_start_time(tmp_path):
@@ -67,7 +67,7 @@ def test_a_lock_left_by_a_killed_op_build_is_removed_and_a_live_builds_is_kept(t
     from torch.utils.file_baton import FileBaton
 
     from longspec.doctor import deepspeed_checks
-    from longspec_cli.core import opsdir
+    from longspec.machine import opsdir
     from longspec_cli.launch.execute import clear_stale_op_locks
     from longspec_cli.launch.plan import Console
 

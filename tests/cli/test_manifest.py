@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from longspec_cli.core.manifest import find_manifest, load_manifest
-from longspec_cli.core.yamlio import YamlError
-from longspec_cli.errors import UsageError
+from longspec.project.manifest import find_manifest, load_manifest
+from longspec.files.yamlio import YamlError
+from longspec.errors import UsageError
 
 
 def test_loads_the_design_example_and_resolves_paths_against_the_project(project):

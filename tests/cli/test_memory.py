@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tests import needs
-from longspec_cli.core import memory as M
+from longspec.machine import memory as M
 
 QWQ = M.ModelSize(hidden=5120, layers=64, heads=40, kv_heads=8, intermediate=27648, vocab=152064)
 
@@ -57,7 +57,7 @@ def test_draft_params_match_the_glide_block():
 
 
 def test_preset_sizes_read_from_the_preset_table():
-    from longspec_cli.core import presets
+    from longspec.project import presets
 
     p = presets.get_preset("qwq-32b-preview")
     size = M.ModelSize.from_mapping({**p.size, "family": p.family})

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from longspec_cli.app import app
-from longspec_cli.core.yamlio import load_mapping
+from longspec.files.yamlio import load_mapping
 
 from .conftest import (BAD_YAML, HAS_TORCH, TINY_TARGET_CONFIG, finish_chain, finish_stage, no_traceback,
                        panel_text)
@@ -354,8 +354,8 @@ def _best(project, stage: str, weights: bytes, step: int = 20, tau: float = 2.5)
 
 
 def test_best_chains_the_best_draft_records_the_choice_and_status_follows_it(project, drafts):
-    from longspec_cli.core.manifest import load_manifest
-    from longspec_cli.core.status import project_status
+    from longspec.project.manifest import load_manifest
+    from longspec.runs.status import project_status
 
     finish_stage(project, "base", drafts["0"])
     best = _best(project, "base", drafts["1"])

@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from longspec_cli.core import runfolder
+from longspec.runs import runfolder
 from tests.cli.test_run import FAKE_TRAINER, LONGSPEC, ROOT, flat, last_step, wait_for
 
 STEPS = ["max_steps=14", "save_steps=1000", "eval_steps=0", "global_batch_size=16"]  # 2 ranks x 8

@@ -14,11 +14,11 @@ import socket
 
 import pytest
 
-from longspec_cli.core.hydracompose import compose_stage, stage_overrides
-from longspec_cli.core.manifest import load_manifest
-from longspec_cli.core.mathkeys import math_config
-from longspec_cli.core.runfolder import config_fingerprint
-from longspec_cli.errors import RefusedError
+from longspec.project.hydracompose import compose_stage, stage_overrides
+from longspec.project.manifest import load_manifest
+from longspec.project.mathkeys import math_config
+from longspec.runs.runfolder import config_fingerprint
+from longspec.errors import RefusedError
 from longspec_cli.launch import plan
 from tests.cli.conftest import finish_stage, write_checkpoint, write_metrics
 
@@ -70,7 +70,7 @@ def test_an_interrupted_stage_resumes_with_other_overrides_and_is_refused_when_m
     finish_stage(project, "base", drafts["0"], overrides=["max_steps=4"], math=True)
     _chain(project, "long")
     _interrupt(project, "long", 10, ["max_steps=60"])
-    from longspec_cli.core.status import project_status
+    from longspec.runs.status import project_status
 
     st = {s.name: s for s in project_status(load_manifest(project.root))}
     assert (st["long"].state, st["long"].next_action) == ("failed", "resume from step 10")
@@ -89,7 +89,7 @@ def test_an_interrupted_stage_resumes_with_other_overrides_and_is_refused_when_m
 
 
 def test_a_checkpoint_resumes_on_its_ranks_at_another_sp_only_with_the_same_sequences_per_step():
-    from longspec_cli.core.mathkeys import batch_keys_free, layout, layout_blocker, resume_blockers
+    from longspec.project.mathkeys import batch_keys_free, layout, layout_blocker, resume_blockers
 
     two_sp1 = layout(2, 1)
     assert two_sp1 == {"world_size": 2, "sequence_parallel_size": 1, "data_parallel": 2}
@@ -152,7 +152,7 @@ def test_a_stage_whose_upstream_is_not_done_and_not_in_scope_is_refused_with_the
 
 
 def test_status_compares_the_composed_math_keys_so_an_included_file_counts(project, drafts):
-    from longspec_cli.core.status import project_status
+    from longspec.runs.status import project_status
 
     finish_stage(project, "base", drafts["0"], math=True)
     ds = project.root / "conf" / "deepspeed" / "zero1_offload_cosine.yaml"

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from tests import needs
 from longspec_cli.app import app
-from longspec_cli.core.yamledit import render_scalar, set_root_scalar
-from longspec_cli.core.yamlio import parse, to_plain
+from longspec.files.yamledit import render_scalar, set_root_scalar
+from longspec.files.yamlio import parse, to_plain
 
 from .conftest import no_traceback, panel_text
 

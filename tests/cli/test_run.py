@@ -20,12 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from longspec_cli.core import liveness, runfolder
-from longspec_cli.errors import RefusedError
+from longspec.machine import liveness
+from longspec.runs import runfolder
+from longspec.errors import RefusedError
 from longspec_cli.launch import argv as A
 from longspec_cli.launch import group as G
 from longspec_cli.launch import process as P
-from longspec_cli.core.opsdir import ops_build_dir
+from longspec.machine.opsdir import ops_build_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
@@ -293,7 +294,7 @@ TINY_CONFIG = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hi
 
 def scaffold(tmp_path: Path, preset: str = "tiny", name: str = "proj") -> Path:
     """A project as `init` writes it; the tiny preset's assets are stand-ins (config.json + data files)."""
-    from longspec_cli.core.scaffold import InitAnswers, plan_project, write_project
+    from longspec_cli.launch.scaffold import InitAnswers, plan_project, write_project
 
     root = tmp_path / name
     write_project(plan_project(InitAnswers(project_dir=root, preset=preset)))
@@ -433,7 +434,7 @@ def finish(spec, overrides=(), draft_sha=None, payload=b"w") -> str:
 
 
 def actions(proj: Path, **kw) -> dict[str, str]:
-    from longspec_cli.core.manifest import load_manifest
+    from longspec.project.manifest import load_manifest
     from longspec_cli.launch import plan
 
     m = load_manifest(proj)
@@ -441,7 +442,7 @@ def actions(proj: Path, **kw) -> dict[str, str]:
 
 
 def test_plan_skips_done_stages_and_reruns_everything_downstream_of_a_change(tmp_path):
-    from longspec_cli.core.manifest import load_manifest
+    from longspec.project.manifest import load_manifest
 
     proj = scaffold(tmp_path)
     base, long, longcot = load_manifest(proj).stages
@@ -458,14 +459,14 @@ def test_plan_skips_done_stages_and_reruns_everything_downstream_of_a_change(tmp
     long.config.write_text(long.config.read_text() + "\n# edited\n")
     assert actions(proj) == {"base": "skip", "long": "rerun", "longcot": "rerun"}
     # status shows the stale stages too
-    from longspec_cli.core.status import project_status
+    from longspec.runs.status import project_status
 
     states = {s.name: s.state for s in project_status(load_manifest(proj))}
     assert states["long"] == "stale" and states["base"] == "done"
 
 
 def test_plan_resumes_an_interrupted_stage_and_refuses_a_running_one(tmp_path):
-    from longspec_cli.core.manifest import load_manifest
+    from longspec.project.manifest import load_manifest
     from longspec_cli.launch import plan
 
     proj = scaffold(tmp_path)

@@ -8,7 +8,7 @@ import json
 import os
 import time
 
-from longspec_cli.core import runfolder as R
+from longspec.runs import runfolder as R
 
 from .conftest import write_checkpoint, write_metrics
 
@@ -187,7 +187,7 @@ def test_cached_sha256_rehashes_after_any_change(tmp_path):
 
 
 def test_one_cache_root_honours_xdg_and_keeps_the_newest_entries(tmp_path, monkeypatch):
-    from longspec_cli.core import atomic
+    from longspec.files import atomic
 
     monkeypatch.delenv("LONGSPEC_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

@@ -1,4 +1,4 @@
-"""core/scheduler.py and core/runrecord.py against a real SLURM (tests/cluster): what the scheduler
+"""longspec/runs/scheduler.py and longspec/runs/runrecord.py against a real SLURM (tests/cluster): what the scheduler
 says of a job (queued, running, requeued, gone) is what `status`, `run` and `stop` read."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from longspec_cli.core import runrecord, scheduler
+from longspec.runs import runrecord, scheduler
 
 
 @pytest.mark.slow

@@ -7,8 +7,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from longspec_cli.core.checks.seqpar import largest_sp, sp_problems
-from longspec_cli.core import memory as M
+from longspec.project.checks.seqpar import largest_sp, sp_problems
+from longspec.machine import memory as M
 from tests.cli.test_validate import edit, find, make_project, run_json, stage
 
 # Qwen2.5-7B: 28 query / 4 key-value heads; QwQ-32B: 40 / 8; Llama-3.1-8B: 32 / 8.
@@ -96,7 +96,7 @@ def test_the_128k_preset_composes_and_validates_like_its_32k_sibling(tmp_path):
     from typer.testing import CliRunner
 
     from longspec_cli.app import app
-    from longspec_cli.core.hydracompose import compose_stage
+    from longspec.project.hydracompose import compose_stage
 
     runner = CliRunner()
     for name in ("llama3.1-8b-instruct", "llama3.1-8b-instruct-128k"):

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 
-from longspec_cli.core import runrecord
+from longspec.runs import runrecord
 from longspec_cli.launch import slurm as S
 
 ROOT = Path(__file__).resolve().parents[2]

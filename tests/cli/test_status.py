@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from longspec_cli.app import app
-from longspec_cli.core import liveness
+from longspec.machine import liveness
 
 from .conftest import (BAD_YAML, finish_chain, finish_stage, no_traceback, panel_text, write_checkpoint,
                        write_metrics)

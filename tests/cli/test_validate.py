@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from longspec_cli.app import app
-from longspec_cli.core.validate import validate_paths
+from longspec.project.validate import validate_paths
 from tests.cli.conftest import panel_text
 
 runner = CliRunner()
@@ -621,8 +621,8 @@ def test_init_project_with_data_and_a_local_target_passes(tmp_path):
 # ---------------------------------------------------------------- schema vs the trainer's defaults
 
 def test_schema_knows_every_trainer_key_and_its_default_fits():
-    from longspec_cli.core import schema as S
-    from longspec_cli.core.yamlio import load_mapping, to_plain
+    from longspec.project import schema as S
+    from longspec.files.yamlio import load_mapping, to_plain
 
     cfg = ROOT / "longspec" / "conf" / "config.yaml"
     defaults = to_plain(load_mapping(cfg).data)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from longspec_cli.core.yamlio import YamlError, item_line, key_line, load_mapping, parse, read_text
+from longspec.files.yamlio import YamlError, item_line, key_line, load_mapping, parse, read_text
 
 BOMB = "a: &a [x,x,x,x,x,x,x,x,x,x]\n" + "".join(
     f"{n}: &{n} [{', '.join(['*' + p] * 10)}]\n" for p, n in zip("abcdef", "bcdefg")

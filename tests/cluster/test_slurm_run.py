@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from longspec_cli.core import runfolder, runrecord
+from longspec.runs import runfolder, runrecord
 
 ROOT = Path(__file__).resolve().parents[2]
 LONGSPEC = [sys.executable, "-m", "longspec_cli"]

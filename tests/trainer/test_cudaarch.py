@@ -1,4 +1,4 @@
-"""TORCH_CUDA_ARCH_LIST as DeepSpeed's own op builders parse it (longspec_cli/core/cudaarch.py).
+"""TORCH_CUDA_ARCH_LIST as DeepSpeed's own op builders parse it (longspec/machine/cudaarch.py).
 
 Many Hopper images set `9.0a`; DeepSpeed 0.19.8 fails on it in every op it compiles. The check
 is DeepSpeed's real parser (FusedAdamBuilder.compute_capability_args, JIT mode, no GPU needed),
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from longspec_cli.core import cudaarch
+from longspec.machine import cudaarch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,7 +33,7 @@ import os; print("parsed:", os.environ["TORCH_CUDA_ARCH_LIST"])
 
 def parse_in_deepspeed(value: str, fix: bool) -> subprocess.CompletedProcess:
     env = {**os.environ, "TORCH_CUDA_ARCH_LIST": value, "DS_ACCELERATOR": "cpu"}
-    code = PARSE.format(fix="from longspec_cli.core import cudaarch; cudaarch.fix_environ()" if fix else "")
+    code = PARSE.format(fix="from longspec.machine import cudaarch; cudaarch.fix_environ()" if fix else "")
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
                           cwd=ROOT)
 

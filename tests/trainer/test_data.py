@@ -313,9 +313,9 @@ def test_loader_shards_shuffles_and_resumes(tmp_path, tok):
 
 
 def test_the_column_table_validate_reads_is_what_the_collators_accept(tok):
-    """core.datafiles.COLLATOR_COLUMNS (validate's column check) against longspec.data.collators, record by record."""
+    """formats.datafiles.COLLATOR_COLUMNS (validate's column check) against longspec.data.collators, record by record."""
     from longspec.data.collators import RecordError
-    from longspec_cli.core.datafiles import COLLATOR_COLUMNS
+    from longspec.formats.datafiles import COLLATOR_COLUMNS
 
     chat = [{"role": "user", "content": "add 1 and 2 ."}, {"role": "assistant", "content": "3 ."}]
     value = {"conversation": chat, "messages": chat}

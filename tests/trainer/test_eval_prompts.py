@@ -200,7 +200,7 @@ def test_evaluate_refuses_a_bucket_the_device_cannot_hold_before_any_weight_load
     import json
 
     from longspec import evaluate
-    from longspec_cli.core import evalmemory
+    from longspec.machine import evalmemory
 
     target = tmp_path / "target"
     target.mkdir()

@@ -42,7 +42,7 @@ def make_run(tmp_path: Path, family: str, dtype=torch.float32, seed=0) -> tuple[
     (run / "training_config.yaml").write_text(
         f"stage: base\nmodel_name_or_path: {tdir}\ntrain_file: {tmp_path}/none.jsonl\nprecision: fp32\n"
         f"draft:\n  sliding_window: {WINDOW}\ndata:\n  max_seq_length: 64\n")
-    from longspec_cli.core.atomic import sha256_file
+    from longspec.files.atomic import sha256_file
 
     (run / "stage_complete.json").write_text(json.dumps(
         {"stage": "base", "steps": 1, "final_loss": 1.0, "sha256": sha256_file(pth), "target": str(tdir),

@@ -23,7 +23,7 @@ import pytest
 from typer.testing import CliRunner
 
 from longspec_cli.app import app
-from longspec_cli.core.targets import SUPPORTED_FAMILIES, refusal
+from longspec.project.targets import SUPPORTED_FAMILIES, refusal
 from tests.cli.conftest import panel_text
 from tests.trainer.conftest import FAMILIES, tiny_config
 
@@ -104,7 +104,7 @@ def family_project(request, tiny_assets, tmp_path_factory) -> dict:
 def test_new_family_from_init_to_export(family_project, tmp_path):
     p = family_project
     family, proj = p["family"], p["root"]
-    from longspec_cli.core import yamlio
+    from longspec.files import yamlio
 
     # init read the target: family, position cap with its note, precision, chat template
     notes = "\n".join(p["init"]["notes"])

@@ -69,7 +69,7 @@ def test_draft_config_reads_transformers4_style_rope_fields():
 
 
 def test_draft_config_rejects_other_families():
-    from longspec_cli.core.targets import refusal
+    from longspec.project.targets import refusal
 
     with pytest.raises(ValueError) as e:
         DraftConfig.from_target_config(SimpleNamespace(model_type="gpt2"))

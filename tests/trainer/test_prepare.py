@@ -16,7 +16,7 @@ import torch
 
 from longspec.data import encoding, records
 from longspec.data import cache
-from longspec_cli.core import prepared as P
+from longspec.formats import prepared as P
 
 REPO = Path(__file__).resolve().parents[2]
 STAGES = {"base": ("short_text", 96), "long": ("long_data", 128), "longcot": ("long_cot", 128)}
@@ -321,8 +321,8 @@ def test_a_cache_from_an_older_collator_version_is_stale_and_rebuilt(tiny, tok):
     """status reads the collator version from longspec.data.encoding's source, by module name (the
     CLI never imports the trainer): when the module moves, the version must still be found, or an
     older cache would pass as ready."""
-    from longspec_cli.core.atomic import atomic_write_json
-    from longspec_cli.core.prepared import collator_version, stage_prepared
+    from longspec.files.atomic import atomic_write_json
+    from longspec.formats.prepared import collator_version, stage_prepared
 
     assert collator_version() == encoding.COLLATOR_VERSION
     path = Path(tiny["data"]["base"])

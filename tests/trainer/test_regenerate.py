@@ -23,7 +23,7 @@ import pytest
 from longspec.data import encoding
 from longspec.data import regen as R
 from longspec.data import regenstore as S
-from longspec_cli.core import regenstate
+from longspec.runs import regenstate
 
 REPO = Path(__file__).resolve().parents[2]
 COT_RECORDS = 8

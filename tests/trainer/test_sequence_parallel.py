@@ -112,7 +112,7 @@ def test_the_trainer_at_sp2_on_two_ranks_trains_like_sp1_on_one(tmp_path):
     import torch
 
     from longspec.tiny import build_tiny
-    from longspec_cli.core import runfolder
+    from longspec.runs import runfolder
     from tests.trainer.test_train import launch, show, write_project
 
     tiny = build_tiny(tmp_path / "tiny", family="qwen2")
@@ -181,7 +181,7 @@ def test_the_trainer_refuses_a_checkpoint_of_another_layout_before_anything_load
     """The trainer's side of mathkeys.layout_blocker (tests/cli/test_plan_records.py has the rule's wording)."""
     from longspec.training import preflight, resume, runwriter
     from longspec.training.entry import TrainError
-    from longspec_cli.core.mathkeys import layout, math_config
+    from longspec.project.mathkeys import layout, math_config
 
     conf = {"stage": "long", "force": False, "sequence_parallel_size": 1, "per_gpu_train_batch_size": 1,
             "gradient_accumulation_steps": 2, "learning_rate": 1e-3}

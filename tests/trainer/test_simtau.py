@@ -190,8 +190,8 @@ def test_a_resume_from_before_the_best_step_drops_that_best_draft(tmp_path):
 
     from longspec.model.weights import save_draft
     from longspec.training.runwriter import RunWriter
-    from longspec_cli.core import runfolder
-    from longspec_cli.core.atomic import atomic_write_json, sha256_file
+    from longspec.runs import runfolder
+    from longspec.files.atomic import atomic_write_json, sha256_file
 
     run = tmp_path / "run"
     conf = {"eval_steps": 10, "eval_gamma": 4, "per_gpu_train_batch_size": 2, "eval_tokens": 300}

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from longspec.training import rank, entry, preflight
-from longspec_cli.core import runfolder
+from longspec.runs import runfolder
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATES = REPO / "templates" / "deepspeed"
@@ -467,7 +467,7 @@ def test_stage1_one_rank_zero1_trains_and_fills_the_run_folder(base_run):
         assert (c.path / "draft_model_weights.pth").is_file() and (c.path / "ds").is_dir()
 
     from longspec.model.weights import load_draft_state
-    from longspec_cli.core.atomic import sha256_file
+    from longspec.files.atomic import sha256_file
 
     done = json.loads((run / "stage_complete.json").read_text())
     assert done["stage"] == "base" and done["steps"] == BASE_STEPS and done["draft_sha256"] is None
@@ -477,8 +477,8 @@ def test_stage1_one_rank_zero1_trains_and_fills_the_run_folder(base_run):
     assert done["config_sha256"] == runfolder.config_fingerprint(exp, [])
     # the math keys it records are the front end's composition of the stage file: `status` keeps
     # the stage done after an edit of keys that do not change training, and names a math key otherwise
-    from longspec_cli.core.hydracompose import compose_stage
-    from longspec_cli.core.mathkeys import math_config
+    from longspec.project.hydracompose import compose_stage
+    from longspec.project.mathkeys import math_config
 
     composed = compose_stage(exp, [])
     assert composed.ok and done["math"] == math_config(composed.data)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from longspec.model.weights import save_draft
-from longspec_cli.core import diskspace
+from longspec.runs import diskspace
 from tests.needs import small_disk
 
 

@@ -1,10 +1,10 @@
 """Contract-true projects and run folders for the TUI tests and bench/bench_monitor.py.
 
-A project is scaffolded by the real `init` code (core.scaffold); a finished stage gets what the
+A project is scaffolded by the real `init` code (launch.scaffold); a finished stage gets what the
 trainer writes (docs/DESIGN.md, run-folder contract): metrics.jsonl (start, steps, checkpoint and
 end events), train.log, run.json naming a process that is gone, draft_model_weights.pth and
-stage_complete.json whose sha256 / config_sha256 / draft_sha256 match, so core.status reads it
-as done. Chaining goes through core.chain like `longspec next-stage` does. Everything is
+stage_complete.json whose sha256 / config_sha256 / draft_sha256 match, so runs.status reads it
+as done. Chaining goes through launch.chain like `longspec next-stage` does. Everything is
 deterministic: fixed times, fixed numbers, fixed names.
 """
 
@@ -16,10 +16,11 @@ import os
 import socket
 from pathlib import Path
 
-from longspec_cli.core import liveness, runfolder
-from longspec_cli.core.atomic import atomic_write_json, sha256_file
-from longspec_cli.core.manifest import load_manifest
-from longspec_cli.core.scaffold import InitAnswers, plan_project, write_project
+from longspec.machine import liveness
+from longspec.runs import runfolder
+from longspec.files.atomic import atomic_write_json, sha256_file
+from longspec.project.manifest import load_manifest
+from longspec_cli.launch.scaffold import InitAnswers, plan_project, write_project
 
 T0 = 1_760_000_000.0  # fixed wall clock of the first record
 STEP_S = 1.5  # seconds per step in the fixture runs
@@ -101,7 +102,7 @@ def write_run(root: Path, stage: str, *, steps: int, total: int, done: bool, ali
 
 def chain(root: Path, stage: str) -> None:
     """Point `stage` at its upstream's final draft, as `longspec next-stage` does."""
-    from longspec_cli.core.chain import chain_project
+    from longspec_cli.launch.chain import chain_project
 
     chain_project(load_manifest(root), stage, dry_run=False, deep=False)
 

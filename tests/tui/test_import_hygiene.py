@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import longspec_cli.core
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,8 +27,11 @@ def _heavy(mods: set[str]) -> list[str]:
 
 
 def test_cli_core_and_pure_tui_modules_never_import_textual():
-    core = [f"longspec_cli.core.{m.name}" for m in pkgutil.iter_modules(longspec_cli.core.__path__)]
-    assert "longspec_cli.core.status" in core and len(core) > 5
+    import longspec.project
+    import longspec.runs
+
+    core = [f"{pkg.__name__}.{m.name}" for pkg in (longspec.project, longspec.runs) for m in pkgutil.iter_modules(pkg.__path__)]
+    assert "longspec.runs.status" in core and len(core) > 5
     code = "\n".join(f"import {m}" for m in ["longspec_cli.app", *core, *PURE_TUI, "longspec_cli.commands.monitor"])
     assert _heavy(_modules_after(code)) == []
 

@@ -226,9 +226,9 @@ async def test_simulated_tau_chart_follows_the_stage_and_alerts_when_it_falls_wh
         alert = next(a for a in app.view.alerts if a.kind == "simtau_falling")
         assert "simulated tau fell 3 evaluations in a row (2.30 at step 40 -> 1.80 at step 100)" in alert.message
         assert "simulated tau fell" in screen_text(app)                 # in the alerts panel
-        # status reads the same record through core.runfolder
-        from longspec_cli.core.status import project_status
-        from longspec_cli.core.manifest import load_manifest
+        # status reads the same record through runs.runfolder
+        from longspec.runs.status import project_status
+        from longspec.project.manifest import load_manifest
 
         long = project_status(load_manifest(running))[1]
         assert (long.sim_tau, long.sim_tau_step) == (1.8, 100)

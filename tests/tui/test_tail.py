@@ -6,7 +6,7 @@ import math
 import os
 
 from longspec_cli.tui.series import Series
-from longspec_cli.core.tail import LineTail, read_range_chunks
+from longspec.files.tail import LineTail, read_range_chunks
 
 
 def test_partial_line_waits_for_its_newline(tmp_path):

@@ -11,8 +11,8 @@ from textual.widgets import Checkbox, Input, Select
 from typer.testing import CliRunner
 
 from longspec_cli.app import app as cli
-from longspec_cli.core.scaffold import plan_project, write_project
-from longspec_cli.core.targets import refusal
+from longspec_cli.launch.scaffold import plan_project, write_project
+from longspec.project.targets import refusal
 from longspec_cli.tui import wizard_checks as W
 from longspec_cli.tui.widgets.confirm import ConfirmScreen
 from longspec_cli.tui.wizard_app import WizardApp

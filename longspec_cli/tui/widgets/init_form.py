@@ -9,8 +9,8 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Checkbox, Input, Label, Select, Static
 
-from longspec_cli.core import presets as P
-from longspec_cli.core.scaffold import InitAnswers
+from longspec.project import presets as P
+from longspec_cli.launch.scaffold import InitAnswers
 from longspec_cli.tui.wizard_checks import Check
 
 NO_PRESET = "-"
