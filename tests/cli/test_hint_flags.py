@@ -87,7 +87,8 @@ def verbs_of(path: Path) -> tuple[str, ...]:
     rel = path.relative_to(ROOT).as_posix().removeprefix("longspec_cli/")
     if rel.startswith("commands/"):
         return (path.stem.replace("_", "-"),)
-    return next((v for k, v in MODULE_VERBS.items() if rel.startswith(k)), ())
+    keys = [k for k in MODULE_VERBS if rel.startswith(k)]
+    return MODULE_VERBS[max(keys, key=len)] if keys else ()     # the most specific entry
 
 
 def hint_flags() -> list[tuple[str, str, str, str]]:
