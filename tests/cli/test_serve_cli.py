@@ -56,3 +56,14 @@ def test_a_python_without_vllm_is_reported_not_used(tmp_path):
     found = vllmenv.probe(Path(sys.executable))       # this environment: longspec without vLLM
     assert found["vllm"] is None and found["problem"] == "vLLM is not installed"
     assert vllmenv.probe(tmp_path / "none")["problem"].endswith("does not exist")
+
+
+def test_serve_and_its_pieces_import_neither_torch_nor_vllm():
+    import subprocess
+
+    code = ("import sys, longspec_cli.commands.serve, longspec_cli.launch.vllmcmd, longspec.machine.vllmenv, "
+            "longspec.formats.vllmdraft, longspec.serve.probe; "
+            "bad = [m for m in ('torch', 'transformers', 'vllm') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2], timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
