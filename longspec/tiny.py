@@ -2,11 +2,12 @@
 Qwen2- or Llama-family target and the three stages' data, all built locally and offline.
 
     python -m longspec.tiny build OUT [--family qwen2|llama] [--seed N] [--answer-style target|other]
-        [--json] [--force] [--quiet]
+        [--head-dim 16|32] [--json] [--force] [--quiet]
 
 writes OUT/target/ (an ordinary Hugging Face model folder: config, safetensors, tokenizer) and
 OUT/data/{base,long,longcot}.jsonl. The tokenizer and target depend only on TINY_VERSION and the
-family, so they are trained once and then copied from a cache ($LONGSPEC_TINY_CACHE, else
+family (and the head dim: `--head-dim 32` builds a target vLLM's CPU attention can run, cached
+apart), so they are trained once and then copied from a cache ($LONGSPEC_TINY_CACHE, else
 ~/.cache/longspec/tiny/); `seed` only changes the stage data. `--answer-style other` writes the
 stage data's answers in another wording than the target's (as a second model's answers would
 read; longspec.data.synthetic.restyle): same questions, same target.
@@ -48,6 +49,15 @@ CHAT_TEMPLATE = (
 )
 MODEL_SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, intermediate_size=128)
+# Head dims a tiny target is built with: 16 (the preset's), or 32 (two heads of 32, one K/V head:
+# the smallest head vLLM's CPU attention takes, for `longspec serve` and tests/serve/).
+HEAD_DIMS = {16: {}, 32: dict(num_attention_heads=2, num_key_value_heads=1)}
+
+
+def model_sizes(head_dim: int = 16) -> dict:
+    if head_dim not in HEAD_DIMS:
+        raise TinyBuildError(f"head dim {head_dim}: choose one of {', '.join(map(str, HEAD_DIMS))}")
+    return {**MODEL_SIZES, **HEAD_DIMS[head_dim]}
 # Most steps on short windows; every `long_every`-th step on one `long_seq` window, so that
 # the target also knows positions and look-ups well past the short windows.
 PRETRAIN = dict(steps=200, batch=8, seq=256, long_every=5, long_seq=2048, lr=8e-3, warmup=20,
@@ -97,10 +107,10 @@ def train_tokenizer(corpus: list[str], out_dir: Path):
 
 # --------------------------------------------------------------------------- target
 
-def make_config(family: str, vocab_size: int, eos_id: int):
+def make_config(family: str, vocab_size: int, eos_id: int, head_dim: int = 16):
     common = dict(vocab_size=vocab_size, max_position_embeddings=CONTEXT_LIMIT,
                   tie_word_embeddings=False, bos_token_id=eos_id, eos_token_id=eos_id,
-                  pad_token_id=eos_id, rms_norm_eps=1e-6, **MODEL_SIZES)
+                  pad_token_id=eos_id, rms_norm_eps=1e-6, **model_sizes(head_dim))
     if family == "qwen2":
         from transformers import Qwen2Config
         return Qwen2Config(rope_theta=1_000_000.0, use_sliding_window=False, **common)
@@ -119,7 +129,7 @@ def token_stream(tokenizer, docs: list[str]):
     return torch.tensor(ids, dtype=torch.long)
 
 
-def pretrain_target(family: str, tokenizer, docs: list[str], log=None):
+def pretrain_target(family: str, tokenizer, docs: list[str], log=None, head_dim: int = 16):
     """A tiny causal LM trained briefly and deterministically on the synthetic corpus."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -133,7 +143,7 @@ def pretrain_target(family: str, tokenizer, docs: list[str], log=None):
     torch.set_num_threads(1)  # one thread: the same float sums on every run
     try:
         torch.manual_seed(p["seed"])
-        config = make_config(family, VOCAB_SIZE, tokenizer.eos_token_id)
+        config = make_config(family, VOCAB_SIZE, tokenizer.eos_token_id, head_dim)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=p["lr"], betas=(0.9, 0.95),
@@ -190,7 +200,7 @@ def _complete(folder: Path) -> bool:
     return all((folder / f).is_file() for f in TARGET_FILES)
 
 
-def build_target(family: str, dest: Path, log=None) -> dict:
+def build_target(family: str, dest: Path, log=None, head_dim: int = 16) -> dict:
     """Train tokenizer + target from scratch into `dest` (which must not exist yet)."""
     import torch
     from transformers.utils import logging as hf_logging
@@ -201,7 +211,7 @@ def build_target(family: str, dest: Path, log=None) -> dict:
     if log:
         log(f"pre-training the {family} target once (about half a minute; then cached)")
     t0 = time.time()
-    model = pretrain_target(family, tokenizer, corpus, log=log)
+    model = pretrain_target(family, tokenizer, corpus, log=log, head_dim=head_dim)
     if log:
         log(f"{family} target trained in {time.time() - t0:.1f} s")
     model.save_pretrained(dest, safe_serialization=True)
@@ -215,14 +225,15 @@ def build_target(family: str, dest: Path, log=None) -> dict:
     return info
 
 
-def cached_target(family: str, log=None) -> tuple[Path, bool]:
+def cached_target(family: str, log=None, head_dim: int = 16) -> tuple[Path, bool]:
     """The cache entry for `family`, built under a lock if missing; (path, was_cached)."""
     from filelock import FileLock
     if family not in FAMILIES:
         raise TinyBuildError(f"unknown tiny family {family!r}; choose one of {', '.join(FAMILIES)}")
     root = cache_dir()
     root.mkdir(parents=True, exist_ok=True)
-    entry = root / f"v{TINY_VERSION}-{family}"
+    model_sizes(head_dim)  # refuses an unknown head dim before anything is built
+    entry = root / (f"v{TINY_VERSION}-{family}" + ("" if head_dim == 16 else f"-hd{head_dim}"))
     with FileLock(str(entry) + ".lock"):
         if _complete(entry):
             return entry, True
@@ -232,7 +243,7 @@ def cached_target(family: str, log=None) -> tuple[Path, bool]:
             shutil.rmtree(stale, ignore_errors=True)
         tmp = _mkdtemp(root, f".{entry.name}-")
         try:
-            build_target(family, tmp, log=log)
+            build_target(family, tmp, log=log, head_dim=head_dim)
             os.rename(tmp, entry)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -267,7 +278,7 @@ def write_data(data_dir: Path, seed: int, answer_style: str = "target") -> dict[
 
 
 def build_tiny(out_dir, family: str = "qwen2", seed: int = 0, force: bool = False,
-               log=None, answer_style: str = "target") -> dict:
+               log=None, answer_style: str = "target", head_dim: int = 16) -> dict:
     """OUT/target/ (model + tokenizer) and OUT/data/{base,long,longcot}.jsonl.
 
     Returns {"target": path, "data": {stage: path}, "family", "seed", "cached", "seconds"}.
@@ -280,7 +291,7 @@ def build_tiny(out_dir, family: str = "qwen2", seed: int = 0, force: bool = Fals
     if existing and not force:
         raise TinyBuildError(f"{existing[0]} already exists; pass --force to replace the "
                              "tiny build")
-    entry, cached = cached_target(family, log=log)
+    entry, cached = cached_target(family, log=log, head_dim=head_dim)
     out.mkdir(parents=True, exist_ok=True)
     tmp = _mkdtemp(out, ".target-")
     try:
@@ -308,11 +319,13 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--json", action="store_true", help="print the paths as one JSON object")
     b.add_argument("--force", action="store_true", help="replace an earlier tiny build in OUT")
     b.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    b.add_argument("--head-dim", type=int, choices=sorted(HEAD_DIMS), default=16,
+                   help="the target's head dim (32: what vLLM's CPU attention takes, for `longspec serve`)")
     args = ap.parse_args(argv)
     log = None if args.quiet else (lambda m: print(f"[tiny] {m}", file=sys.stderr, flush=True))
     try:
         res = build_tiny(args.out, family=args.family, seed=args.seed, force=args.force, log=log,
-                         answer_style=args.answer_style)
+                         answer_style=args.answer_style, head_dim=args.head_dim)
     except (TinyBuildError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

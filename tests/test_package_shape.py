@@ -171,6 +171,7 @@ LAYERS = {
     "longspec.decode": {*PURE, "longspec.model"},
     "longspec.measure": {*PURE, "longspec.model", "longspec.data", "longspec.decode"},
     "longspec.training": {*PURE, "longspec.model", "longspec.data", "longspec.decode", "longspec.measure"},
+    "longspec.serve": {*PURE},     # runs inside vLLM's environment: vLLM, its torch and the ground floor
 }
 RUNNABLE = {"train", "prepare", "show", "evaluate", "export", "draftcheck", "tiny", "nodelaunch", "nodectl", "regenerate",
             "doctor"}
