@@ -258,27 +258,43 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class Decoding:
+    """The opening and closing every decode loop shares: the prompt checked (a (1, P) tensor), a new
+    KV cache, the prefill timed up to `prefilled()` (the device synchronised), and the result timed
+    from there (`result`, after a last synchronisation)."""
+
+    def __init__(self, prompt: torch.Tensor, max_new_tokens: int):
+        self.prompt = _check_prompt(prompt)
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        self.cache = new_cache()
+        self.t0 = self.t1 = time.perf_counter()
+
+    def prefilled(self) -> None:
+        _sync(self.prompt.device)
+        self.t1 = time.perf_counter()
+
+    def result(self, tokens: list[int], forwards: int, accepted: list[int]) -> DecodeResult:
+        _sync(self.prompt.device)
+        return DecodeResult(tokens, forwards, accepted, prefill_s=self.t1 - self.t0,
+                            decode_s=time.perf_counter() - self.t1)
+
+
 @torch.no_grad()
 def greedy_decode(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int,
                   eos_token_id: int | None = None) -> DecodeResult:
     """Plain greedy decoding with a KV cache: one target forward per token."""
-    prompt = _check_prompt(prompt)
-    if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be >= 1")
-    dev = prompt.device
-    cache = new_cache()
-    t0 = time.perf_counter()
+    run = Decoding(prompt, max_new_tokens)
+    prompt, cache = run.prompt, run.cache
     tok = int(target_logits(model, prompt, cache, last_only=True)[-1].argmax())
-    _sync(dev)
-    t1 = time.perf_counter()
+    run.prefilled()
     tokens, done = _finish([tok], max_new_tokens, eos_token_id)
     forwards = 0
     while not done:
         tok = int(target_logits(model, prompt.new_tensor([[tok]]), cache)[-1].argmax())
         forwards += 1
         tokens, done = _finish(tokens + [tok], max_new_tokens, eos_token_id)
-    _sync(dev)
-    return DecodeResult(tokens, forwards, [1] * forwards, prefill_s=t1 - t0, decode_s=time.perf_counter() - t1)
+    return run.result(tokens, forwards, [1] * forwards)
 
 
 @torch.no_grad()
@@ -288,15 +304,11 @@ def speculative_decode(model: nn.Module, proposer: Proposer, prompt: torch.Tenso
     prompt = _check_prompt(prompt)
     if gamma < 1:
         raise ValueError("gamma must be >= 1")
-    if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be >= 1")
-    dev = prompt.device
-    cache = new_cache()
-    t0 = time.perf_counter()
+    run = Decoding(prompt, max_new_tokens)
+    cache = run.cache
     first = int(target_logits(model, prompt, cache, last_only=True)[-1].argmax())
     proposer.start(prompt, cache)
-    _sync(dev)
-    t1 = time.perf_counter()
+    run.prefilled()
     seq = torch.cat([prompt, prompt.new_tensor([[first]])], dim=1)                # (1, n) verified
     tokens, done = _finish([first], max_new_tokens, eos_token_id)
     accepted: list[int] = []
@@ -313,11 +325,10 @@ def speculative_decode(model: nn.Module, proposer: Proposer, prompt: torch.Tenso
         crop_cache(cache, seq.shape[1] - 1)            # the new bonus token is not in the cache
         proposer.rollback(seq.shape[1] - 1)
         tokens, done = _finish(tokens + new, max_new_tokens, eos_token_id)
-    _sync(dev)
-    return DecodeResult(tokens, len(accepted), accepted, prefill_s=t1 - t0, decode_s=time.perf_counter() - t1)
+    return run.result(tokens, len(accepted), accepted)
 
 
 __all__ = [
-    "DecodeResult", "Proposer", "GlideProposer", "greedy_decode", "speculative_decode",
+    "DecodeResult", "Decoding", "Proposer", "GlideProposer", "greedy_decode", "speculative_decode",
     "new_cache", "cache_length", "crop_cache", "last_layer_kv", "target_logits", "finish_tokens",
 ]
