@@ -52,7 +52,7 @@ import torch.nn as nn
 from longspec.decode import tree_attn
 from longspec.model.glide import apply_rope
 from longspec.decode.chain import (
-    DecodeResult, Decoding, GlideProposer, _cache_kwarg, _check_prompt, _finish, cache_length, crop_cache,
+    DecodeResult, Decoding, GlideProposer, _cache_kwarg, _check_prompt, cache_length, crop_cache,
     last_layer_kv, target_logits,
 )
 
@@ -327,15 +327,12 @@ def tree_decode(model: nn.Module, proposer: TreeProposer, prompt: torch.Tensor, 
     """Tree speculative decoding (greedy at temperature 0, else speculative sampling)."""
     prompt = _check_prompt(prompt)
     shape = parse_tree_shape(shape)
-    run = Decoding(prompt, max_new_tokens)
+    run = Decoding(prompt, max_new_tokens, eos_token_id)
     if temperature < 0:
         raise ValueError("temperature must be >= 0")
     cache = run.cache
     first = _first_token(prefill_logits(model, prompt, cache), temperature, generator)
-    proposer.start(prompt, cache)
-    run.prefilled()
-    seq = torch.cat([prompt, prompt.new_tensor([[first]])], dim=1)                # (1, n) verified
-    tokens, done = _finish([first], max_new_tokens, eos_token_id)
+    seq, tokens, done = run.prefilled(first, proposer)                              # seq: (1, n) verified
     accepted: list[int] = []
     while not done:
         tree = proposer.propose_tree(seq, cache, shape, temperature, generator)
@@ -348,7 +345,7 @@ def tree_decode(model: nn.Module, proposer: TreeProposer, prompt: torch.Tensor, 
         accepted.append(len(new))
         seq = torch.cat([seq, seq.new_tensor([new])], dim=1)
         proposer.rollback(seq.shape[1] - 1)
-        tokens, done = _finish(tokens + new, max_new_tokens, eos_token_id)
+        tokens, done = run.finish(tokens + new)
     return run.result(tokens, len(accepted), accepted)
 
 
@@ -356,16 +353,15 @@ def tree_decode(model: nn.Module, proposer: TreeProposer, prompt: torch.Tensor, 
 def sample_decode(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, temperature: float,
                   eos_token_id: int | None = None, generator: torch.Generator | None = None) -> DecodeResult:
     """Plain sampling from the target, one forward per token (temperature 0 = greedy)."""
-    run = Decoding(prompt, max_new_tokens)
+    run = Decoding(prompt, max_new_tokens, eos_token_id)
     prompt, cache = run.prompt, run.cache
     tok = _first_token(prefill_logits(model, prompt, cache), temperature, generator)
-    run.prefilled()
-    tokens, done = _finish([tok], max_new_tokens, eos_token_id)
+    _, tokens, done = run.prefilled(tok)
     forwards = 0
     while not done:
         tok = _first_token(prefill_logits(model, prompt.new_tensor([[tok]]), cache), temperature, generator)
         forwards += 1
-        tokens, done = _finish(tokens + [tok], max_new_tokens, eos_token_id)
+        tokens, done = run.finish(tokens + [tok])
     return run.result(tokens, forwards, [1] * forwards)
 
 
