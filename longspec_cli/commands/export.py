@@ -6,14 +6,13 @@ The work runs in `python -m longspec.export` (this process never imports torch).
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from longspec_cli.boundary import run_cli
-from longspec.errors import RefusedError, UsageError
+from longspec.errors import UsageError
 
 EPILOG = """Examples:
 
@@ -45,33 +44,16 @@ def export_cmd(
     """Export a stage's draft as an HF-style folder, a plain .safetensors file or a vLLM draft folder."""
 
     def body() -> None:
-        from longspec_cli.launch.trainerjson import run_trainer_json
         from longspec.project.manifest import load_manifest
-        from longspec.runs.status import FINISHED, project_status
+        from longspec.runs.stagedraft import stage_draft
+        from longspec_cli.launch.trainer import export_argv, run_trainer_json
 
         if fmt not in ("hf", "safetensors", "vllm"):
             raise UsageError(f"--format {fmt!r}: choose hf, safetensors or vllm")
         if out is not None and fmt == "safetensors" and out.suffix.lower() != ".safetensors":
             raise UsageError(f"--out {out}: a safetensors export is one file ending in .safetensors")
-        manifest = load_manifest(project_dir)
-        states = {st.name: st for st in project_status(manifest)}
-        if stage is not None:
-            st = states[manifest.stage(stage).name]
-            if st.state not in FINISHED:
-                raise RefusedError(f"stage {st.name} has no finished draft (state: {st.state})",
-                                   hint=f"train it first: longspec run {project_dir} {st.name}")
-        else:
-            done = [states[n] for n in manifest.stage_names if states[n].state in FINISHED]
-            if not done:
-                raise RefusedError("no stage has a finished draft yet",
-                                   hint=f"train one first: longspec run {project_dir} --all")
-            st = done[-1]
-        args = [sys.executable, "-m", "longspec.export", st.output_dir, "--stage", st.name, "--format", fmt]
-        if out is not None:
-            args += ["--out", str(out.expanduser().absolute())]
-        if force:
-            args.append("--force")
-        res = run_trainer_json(args, show_progress=False)
+        st = stage_draft(load_manifest(project_dir), stage, shown=str(project_dir))
+        res = run_trainer_json(export_argv(st.output_dir, st.name, fmt, out, force), show_progress=False)
         if as_json:
             typer.echo(json.dumps(res, indent=2))
             return
