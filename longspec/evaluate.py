@@ -101,9 +101,6 @@ def main(argv: list[str] | None = None, models: Models | None = None) -> int:
     return 1 if result["lossless"] is False else 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
 
 def serve() -> int:
     """One measurement per stdin line (a JSON list of arguments), one JSON answer line each."""
@@ -124,7 +121,11 @@ def serve() -> int:
             continue
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            code = main([*argv, "--json"] if "--json" not in argv else argv, models=models)
+            try:
+                code = main([*argv, "--json"] if "--json" not in argv else argv, models=models)
+            except SystemExit as e:                 # argparse's usage error (its message is on stderr)
+                code = e.code if isinstance(e.code, int) else 2
+                print(json.dumps({"error": "bad arguments (see the usage message above)", "exit_code": code}))
         answer = last_json(out.getvalue()) or {}
         print(json.dumps({"exit_code": code, **({"error": answer["error"], "hint": answer.get("hint")}
                                                   if "error" in answer else {"result": answer})}), flush=True)
@@ -140,3 +141,7 @@ def last_json(text: str) -> dict | None:
         if isinstance(obj, dict):
             return obj
     return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
