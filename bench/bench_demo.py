@@ -1,6 +1,7 @@
 """Wall time of `longspec demo` (tiny preset, three chained stages) by phase, first and second run.
 
-    .venv/bin/python bench/bench_demo.py [--runs 2] [--dir DIR] [--gpus N] [--json] [--quality] [--no-fresh]
+    .venv/bin/python bench/bench_demo.py [--runs 2] [--dir DIR] [--gpus N] [--code CHECKOUT] [--json]
+                                         [--quality] [--no-fresh]
 
 Each run goes into a fresh folder (`longspec demo DIR --quiet`, as a new user runs it); the first
 run of a machine or environment may also build DeepSpeed's ops and the tiny assets, the second
@@ -56,16 +57,17 @@ EVAL_PARTS = (("process start", ("process_start", "imports")), ("model load", ("
               ("other", ("setup", "decode_warmup", "decode_rows", "figures")))
 
 
-def run_demo(d: Path, gpus: int | None) -> dict:
-    """One `longspec demo DIR --quiet`: its stdout lines with the time each arrived, wall, CPU, load."""
+def run_demo(d: Path, gpus: int | None, code: Path = ROOT) -> dict:
+    """One `longspec demo DIR --quiet` of the checkout ``code`` (its folder first on the path): its
+    stdout lines with the time each arrived, wall, CPU, load."""
     if d.exists():
         shutil.rmtree(d)
     cmd = [sys.executable, "-m", "longspec_cli", "demo", str(d), "--quiet"] + (["--gpus", str(gpus)] if gpus else [])
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     load0 = os.getloadavg()[0]
     t0 = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(code)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=code, env=env)
     lines = [(time.time(), line.rstrip("\n")) for line in proc.stdout]
     err = proc.stderr.read()
     code = proc.wait()
@@ -212,6 +214,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2, help="demo runs, each into a fresh folder (default 2)")
     ap.add_argument("--dir", type=Path, help="parent folder of the runs' folders (default: a temporary one)")
     ap.add_argument("--gpus", type=int)
+    ap.add_argument("--code", type=Path, default=ROOT,
+                    help="another checkout to time (e.g. a worktree of an older commit; same environment)")
     ap.add_argument("--json", action="store_true", help="print one JSON object (phases per run)")
     ap.add_argument("--by-stage", action="store_true", help="one row per stage and phase (default: summed)")
     ap.add_argument("--quality", action="store_true", help="the tau table of the last run")
@@ -221,7 +225,7 @@ def main() -> None:
     parent = a.dir or Path(tempfile.mkdtemp(prefix="ls-demo-"))
     runs = []
     for i in range(a.runs):
-        r = run_demo(parent / f"demo-{i + 1}", a.gpus)
+        r = run_demo(parent / f"demo-{i + 1}", a.gpus, a.code.resolve())
         r["phases"] = phases(r)
         runs.append(r)
     if a.json:

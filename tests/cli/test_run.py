@@ -343,7 +343,7 @@ def test_dry_run_on_cpu_prints_a_paste_ready_command_and_the_estimate(tmp_path):
     assert words[-5:] == ["--config-dir", str(proj / "conf"), "+exp=base", f"output_dir={proj / 'runs' / 'base'}",
                           "max_steps=3"]
     # two CPU ranks (or a port asked for): DeepSpeed's runner starts them
-    for flags in (["--gpus", "2"], ["--master-port", "29777"]):
+    for flags in (["--gpus", "2", "global_batch_size=null"], ["--master-port", "29777"]):
         res = cli("run", str(proj), "base", "--dry-run", *flags, env=cpu_env())
         assert res.returncode == 0, res.stderr
         line = next(x for x in res.stdout.splitlines() if "longspec.train" in x and not x.startswith("#"))
