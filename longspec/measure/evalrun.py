@@ -171,7 +171,14 @@ _FIRST = [True]            # the process's first measurement pays its start and 
 
 
 def process_age() -> float | None:
-    """Seconds since this process started (None when the system cannot tell)."""
+    """Seconds since this process started: since LONGSPEC_STARTED_AT (the time its starter set), else
+    since the start the system records (to a second or so); None when neither says."""
+    import os
+
+    try:
+        return max(0.0, time.time() - float(os.environ["LONGSPEC_STARTED_AT"]))
+    except (KeyError, ValueError):
+        pass
     try:
         import psutil
 

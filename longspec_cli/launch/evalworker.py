@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 
 from longspec.errors import INTERRUPTED, LongspecError, RefusedError
@@ -41,6 +42,7 @@ class EvalWorker:
         env = dict(os.environ)
         root = str(trainerjson.trainer_root())
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env["LONGSPEC_STARTED_AT"] = repr(time.time())      # its `process_start` timing, to the millisecond
         try:
             proc = subprocess.Popen([sys.executable, "-m", "longspec.evaluate", "--serve"], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env=env)
