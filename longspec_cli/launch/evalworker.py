@@ -36,7 +36,8 @@ class EvalWorker:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _start(self) -> subprocess.Popen:
+    def _start(self, head: list[str]) -> subprocess.Popen:
+        """`head --serve`: head is the request's `python -m longspec.evaluate` (its one builder's line)."""
         import os
 
         env = dict(os.environ)
@@ -44,10 +45,10 @@ class EvalWorker:
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env["LONGSPEC_STARTED_AT"] = repr(time.time())      # its `process_start` timing, to the millisecond
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "longspec.evaluate", "--serve"], stdin=subprocess.PIPE,
+            proc = subprocess.Popen([*head, "--serve"], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env=env)
         except OSError as e:
-            raise RefusedError(f"cannot start longspec.evaluate: {e}") from None
+            raise RefusedError(f"cannot start {' '.join(head)}: {e}") from None
         self._reader = threading.Thread(target=self._echo, args=(proc,), daemon=True)
         self._reader.start()
         return proc
@@ -65,11 +66,13 @@ class EvalWorker:
         if not trainerjson.trainer_available():
             raise RefusedError("`longspec.evaluate` needs the trainer's packages (torch, transformers)",
                                hint="pip install 'longspec[train]'")
+        if len(argv) < 3 or argv[1] != "-m":
+            raise ValueError(f"not a `python -m MODULE ...` line: {argv[:3]}")
         if self.proc is None or self.proc.poll() is not None:
-            self.proc = self._start()
+            self.proc = self._start(argv[:3])
         self.show_progress = show_progress
         self.tail.clear()
-        args = argv[3:] if len(argv) > 2 and argv[1] == "-m" else argv
+        args = argv[3:]
         answer = None
         try:
             self.proc.stdin.write(json.dumps(args) + "\n")
