@@ -2,7 +2,8 @@
 
     evaluate  (--eval, --gate P, `demo`) per stage, before chaining into the next: `python -m
               longspec.evaluate` on its final draft (the upstream's final draft as the baseline on
-              the same prompts), unless its eval.json is current; --gate P then stops the pipeline
+              the same prompts; on the CPU in the run's one measuring process, launch/evalworker.py),
+              unless its eval.json is current; --gate P then stops the pipeline
               when quality.gate_stage fails (tau at the longest length bucket more than P% below the
               input draft's on the same prompts)
 """
