@@ -6,6 +6,8 @@
     report.py       length buckets, figures per bucket and per task, result-file names
     chainwalk.py    eval's chain tau over the target's greedy continuations (the walk), for training
     runread.py      a finished stage's run folder as eval and export read it; EvalError
+    evalargs.py     `python -m longspec.evaluate`'s flags, their checks, what is not the default
+    evalrun.py      one measurement: models (kept between requests on the CPU), prompts, figures, timings
 
 Imports longspec.model, longspec.data and longspec.decode. (A docstring only.)
 """

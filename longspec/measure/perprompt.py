@@ -32,13 +32,24 @@ def plain_decoder(model, *, temperature: float):
 
 def measure(model, target, draft, prompts: list, *, gamma: int, device, log=None, baseline=None,
             methods=("chain",), tree_shape=(4, 16, 16, 16, 16), temperature: float = 0.0, seed: int = 0,
-            no_stop: bool = False) -> list[dict]:
+            no_stop: bool = False, seconds: dict | None = None) -> list[dict]:
     """Per-prompt rows for `prompts` (longspec.measure.prompts.Prompt, each with its bucket set in
     `.bucket`): plain decoding, each method and the input draft (``baseline``, first method).
     Greedy: a method's output must equal plain greedy's (``lossless``); sampling: None. Each row's
     `_raw` holds the sums evalreport.figures adds up: (tokens after the first, decode seconds,
-    accepted, verify forwards)."""
+    accepted, verify forwards). ``seconds`` adds up the wall time of each part: warm-up, plain
+    (the target's own decoding), each method, baseline."""
+    import time
+
     import torch
+
+    seconds = {} if seconds is None else seconds
+    clock = [time.perf_counter()]
+
+    def lap(part: str) -> None:
+        now = time.perf_counter()
+        seconds[part] = seconds.get(part, 0.0) + now - clock[0]
+        clock[0] = now
 
     specs = {m: decoder(model, target, method=m, gamma=gamma, tree_shape=tree_shape, temperature=temperature)
              for m in methods}
@@ -51,17 +62,20 @@ def measure(model, target, draft, prompts: list, *, gamma: int, device, log=None
     plain(warm, gen(0), 8, ())
     for f in specs.values():
         f(draft, warm, gen(0), 8, ())
+    lap("warmup")
     rows = []
     for i, pr in enumerate(prompts):
         p = torch.tensor([pr.ids], device=device)
         stops = () if no_stop else pr.stops
         g = plain(p, gen(i), pr.max_new, stops)
+        lap("plain")
         raw = {"plain": (max(0, len(g.tokens) - 1), g.decode_s), "tokens": g.tokens}
         row: dict = {"record": pr.record, "kind": pr.kind, "prompt_tokens": len(pr.ids), "bucket": pr.bucket}
         if pr.task:
             row["task"] = pr.task
         for m, f in specs.items():
             s = f(draft, p, gen(i), pr.max_new, stops)
+            lap(m)
             raw[m] = (max(0, len(s.tokens) - 1), s.decode_s, sum(s.accepted), len(s.accepted))
             same = None if temperature > 0 else g.tokens == s.tokens
             first_diff = None if same is not False else next(
@@ -75,6 +89,7 @@ def measure(model, target, draft, prompts: list, *, gamma: int, device, log=None
                 row.update({f"{m}_tau": round(s.tau, 4), f"{m}_lossless": same})
         if baseline is not None:
             b = specs[methods[0]](baseline, p, gen(i), pr.max_new, stops)
+            lap("baseline")
             raw["baseline"] = (max(0, len(b.tokens) - 1), b.decode_s, sum(b.accepted), len(b.accepted))
             row["baseline_tau"] = round(b.tau, 4)
             row["baseline_lossless"] = None if temperature > 0 else b.tokens == g.tokens
@@ -86,6 +101,7 @@ def measure(model, target, draft, prompts: list, *, gamma: int, device, log=None
                 + ", ".join(f"{m} tau {row['tau'] if m == methods[0] else row[m + '_tau']:.2f}" for m in methods)
                 + (f" (input draft {row['baseline_tau']:.2f})" if baseline is not None else "")
                 + ("" if row["lossless"] is not False else f", NOT LOSSLESS at token {row['first_mismatch']}"))
+        lap("rows")
     return rows
 
 

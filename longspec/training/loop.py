@@ -426,7 +426,16 @@ def main() -> None:
         print0(f"note: {note}")
     sys.argv = [sys.argv[0]] + implied_config_dir(take_local_rank(sys.argv[1:]))
     single_process_env()
-    _hydra_entry()
+    _hydra_entry()                   # returns on success only (exit codes leave through sys.exit)
+    # Everything is written and closed and the process group is gone: skip the interpreter's
+    # teardown of torch's and DeepSpeed's native thread pools (seconds per stage on the CPU), as a
+    # preempted rank does.
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 _hydra_entry = make_hydra_entry(guarded)

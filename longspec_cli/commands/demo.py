@@ -20,7 +20,8 @@ stages (base -> long -> longcot) on whatever the machine has (CPU without a GPU)
 stage's draft as it finishes (as `longspec run --eval`: greedy speculative decoding of held-out
 prompts) and prints, per stage: steps, first and last loss, tokens/s, wall time, tau (tokens per
 target forward), speed-up and the final weights' sha256. Running it again continues where it
-stopped; finished stages (and their current measurements) are skipped.
+stopped; finished stages (and their current measurements) are skipped. On the CPU each rank runs
+one thread (OMP_NUM_THREADS=1 unless set): the tiny model's matrices are too small for more.
 
 --regenerate: before training, each stage's data is written again by the tiny target
 (`longspec regenerate DIR STAGE --use`: the records training draws plus the held-out ones, a
@@ -40,12 +41,16 @@ def demo(
     """Scaffold the tiny preset and train all three stages: a whole LongSpec pipeline in minutes."""
 
     def body() -> None:
+        import os
         import time
 
         from longspec_cli.launch import argv as A
         from longspec_cli.launch import execute, plan
 
         t0 = time.monotonic()
+        # The tiny model's matrices (hidden size 64) are too small for threads: one per CPU rank
+        # trains its steps faster, and many times faster on a busy machine (bench/bench_demo.py).
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
         root = project_dir.resolve()
         console = plan.Console()
         if not (root / "longspec.yaml").is_file():

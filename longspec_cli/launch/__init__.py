@@ -14,6 +14,7 @@ Nothing here imports torch, deepspeed, transformers or hydra: the launcher is a 
   preflight.py overrides, validation, memory and disk estimates before anything starts
   execute.py   one stage or `--all`: the launches, chaining, resume (`run_request`)
   gate.py      --eval/--gate: measure a finished stage, the quality gate
+  evalworker.py the run's one measuring process (`python -m longspec.evaluate --serve`) for its stages
   slurm.py     the sbatch script (one DeepSpeed per-node launcher per SLURM task)
   nodes.py     a run on several nodes over ssh: each node's command and environment, per-host requests
   fanout.py    the leader of such a run (`python -m longspec_cli.launch.fanout`): probe, start, stop, check

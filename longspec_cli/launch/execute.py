@@ -114,8 +114,21 @@ def launch_command(placement: A.Placement, res: A.Resources, conf: Path, exp: st
         extra = {} if "TORCH_EXTENSIONS_DIR" in os.environ else {"TORCH_EXTENSIONS_DIR": opsdir.ops_build_dir()}
         return nodes.build_launch(placement, res, A.trainer_args(conf, exp, output_dir, overrides),
                                   Path(conf).parent, extra_env=extra)
+    if one_cpu_rank(placement, res):
+        # The trainer runs as a world of one by itself (longspec.training.rank.single_process_env):
+        # DeepSpeed's runner and per-node launcher would add two interpreters that import torch and
+        # DeepSpeed, start to finish, to every stage.
+        module_args = A.trainer_args(conf, exp, output_dir, overrides)[1:]          # without --module
+        return with_ops_dir(A.LaunchCommand(argv=[sys.executable, "-u", "-m", *module_args],
+                                            env=A.cpu_env(res), world_size=1, cpu=True))
     return with_ops_dir(A.build_launch(placement, res, conf, exp, output_dir, overrides,
                                        launcher=_dry_launcher() if dry else None))
+
+
+def one_cpu_rank(placement: A.Placement, res: A.Resources) -> bool:
+    """One CPU rank on this machine, with no launcher flag asked for: the trainer starts directly."""
+    return (res.cpu and res.world_size == 1 and not placement.multi_node and not placement.include
+            and not placement.launcher and placement.master_port is None and placement.master_addr is None)
 
 
 def _dry_launcher() -> list[str]:
@@ -129,8 +142,14 @@ def execute(manifest: Manifest, plans: list[StagePlan], placement: A.Placement, 
             req: RunRequest, console: Console) -> list[StageOutcome]:
     from longspec.files.atomic import locked
 
+    from contextlib import nullcontext
+
+    from longspec_cli.launch.evalworker import EvalWorker
+
     outcomes: list[StageOutcome] = []
-    with locked(manifest.root / ".longspec-run", timeout=0.5):
+    # one measuring process for the run's stages where it holds no GPU (eval decodes on the CPU)
+    shared = req.measuring and not A.detect_gpus()
+    with locked(manifest.root / ".longspec-run", timeout=0.5), (EvalWorker() if shared else nullcontext()) as worker:
         clear_stale_op_locks(console)
         for i, p in enumerate(plans):
             out: StageOutcome | None = None
@@ -140,7 +159,7 @@ def execute(manifest: Manifest, plans: list[StagePlan], placement: A.Placement, 
                 else:
                     out = run_one(manifest, p, placement, res, req, console)
                 if req.measuring:
-                    measure_stage(manifest, p.spec, out, req, console)  # before the next stage chains
+                    measure_stage(manifest, p.spec, out, req, console, worker)  # before the next stage chains
             except LongspecError as e:
                 if out is None:
                     out = _outcome(p.spec, p.action, "interrupted" if e.exit_code == INTERRUPTED

@@ -2,7 +2,8 @@
 
     evaluate  (--eval, --gate P, `demo`) per stage, before chaining into the next: `python -m
               longspec.evaluate` on its final draft (the upstream's final draft as the baseline on
-              the same prompts), unless its eval.json is current; --gate P then stops the pipeline
+              the same prompts; on the CPU in the run's one measuring process, launch/evalworker.py),
+              unless its eval.json is current; --gate P then stops the pipeline
               when quality.gate_stage fails (tau at the longest length bucket more than P% below the
               input draft's on the same prompts)
 """
@@ -65,9 +66,11 @@ def eval_argv(manifest: Manifest, spec: StageSpec) -> list[str]:
                          methods=("chain", "tree"))
 
 
-def measure_stage(manifest: Manifest, spec: StageSpec, out: StageOutcome, req: RunRequest, console: Console) -> None:
+def measure_stage(manifest: Manifest, spec: StageSpec, out: StageOutcome, req: RunRequest, console: Console,
+                  worker=None) -> None:
     """Evaluate a finished stage unless its eval.json is current; then, with --gate, the gate.
-    Fills out.tau / out.speedup; raises to stop the pipeline (gate failed, or eval failed under --gate)."""
+    Fills out.tau / out.speedup; raises to stop the pipeline (gate failed, or eval failed under --gate).
+    ``worker`` (launch/evalworker.py): the run's one measuring process, else one process per stage."""
     from longspec.runs import quality
 
     up = manifest.stage(spec.draft_from) if spec.draft_from else None
@@ -75,7 +78,7 @@ def measure_stage(manifest: Manifest, spec: StageSpec, out: StageOutcome, req: R
     if ev is not None:
         console.say(f"== {spec.name}: eval.json is current (tau {ev['tau']:.2f}); not measured again")
     else:
-        ev = _run_eval(manifest, spec, out, req, console)
+        ev = _run_eval(manifest, spec, out, req, console, worker)
         if ev is None:  # --eval only: a warning was printed, the pipeline goes on
             return
     out.take_eval(ev)
@@ -96,7 +99,7 @@ def measure_stage(manifest: Manifest, spec: StageSpec, out: StageOutcome, req: R
 
 
 def _run_eval(manifest: Manifest, spec: StageSpec, out: StageOutcome, req: RunRequest,
-              console: Console) -> dict | None:
+              console: Console, worker=None) -> dict | None:
     """Run the evaluator (as `longspec eval`); the result, or None after a warning (--eval only)."""
     from longspec.runs import quality
     from longspec_cli.launch.trainer import run_trainer_json
@@ -105,7 +108,8 @@ def _run_eval(manifest: Manifest, spec: StageSpec, out: StageOutcome, req: RunRe
     console.say(f"\n== {spec.name}: evaluating\n$ {' '.join(argv)}")
     t0 = time.monotonic()
     try:
-        ev = run_trainer_json(argv, show_progress=not req.quiet, allow_codes=(1,))  # 1: not lossless
+        run = worker.measure if worker is not None else run_trainer_json
+        ev = run(argv, show_progress=not req.quiet, allow_codes=(1,))  # 1: not lossless
     except KeyboardInterrupt:
         raise LongspecError(f"stage {spec.name}: evaluation interrupted", exit_code=INTERRUPTED) from None
     except LongspecError as e:

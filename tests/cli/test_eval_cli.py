@@ -389,3 +389,42 @@ def test_export_a_finished_tiny_stage(tiny_project, tmp_path):
     assert res.exit_code == 0, res.output
     assert dest.is_file()
     assert "identical tensors" in res.output
+
+
+@pytest.mark.slow
+def test_one_measuring_process_serves_every_stage_as_its_own_process_would(tiny_project, tmp_path):
+    """`longspec run`'s measuring process (`python -m longspec.evaluate --serve`): one process, one
+    load of the target, and per stage the very result a process of its own gives; a refused request
+    is answered with the module's error and the process goes on serving."""
+    from longspec.errors import LongspecError
+    from longspec_cli.launch.evalworker import EvalWorker
+    from longspec_cli.launch.trainerjson import run_trainer_json
+
+    root, base = tiny_project
+    long, longcot = base.parent / "long", base.parent / "longcot"
+    small = ["--num-prompts", "2", "--max-new-tokens", "8", "--method", "chain", "--method", "tree", "--no-write"]
+    argv = {"base": eval_command(base, "base") + small,
+            "long": eval_command(long, "long", baseline_draft=base / "draft_model_weights.pth",
+                                 baseline_stage="base") + small}
+    with EvalWorker() as worker:
+        served = {"base": worker.measure(argv["base"], show_progress=False)}
+        pid = worker.proc.pid
+        with pytest.raises(LongspecError) as refused:                  # longcot is not trained
+            worker.measure(eval_command(longcot, "longcot") + small, show_progress=False)
+        served["long"] = worker.measure(argv["long"], show_progress=False)
+        assert worker.proc.pid == pid                                  # the same process throughout
+    assert refused.value.exit_code == 2 and "no such run folder" in refused.value.message
+    alone = run_trainer_json(argv["long"], show_progress=False)
+
+    def untimed(x):                              # decode times differ between two runs; nothing else may
+        if isinstance(x, dict):
+            return {k: untimed(v) for k, v in x.items()
+                    if "per_s" not in k and k not in ("speedup", "time", "timings")}
+        return [untimed(v) for v in x] if isinstance(x, list) else x
+
+    assert untimed(served["long"]) == untimed(alone)
+    assert served["long"]["baseline"]["tau"] == alone["baseline"]["tau"] and alone["per_prompt"]
+    # where the time went: the process's start is the first measurement's alone; the target loaded once
+    assert "process_start" in served["base"]["timings"] and "process_start" not in served["long"]["timings"]
+    assert {"model_load", "prompts", "decode_plain", "decode_chain", "decode_tree", "decode_baseline"} <= \
+        set(served["long"]["timings"])

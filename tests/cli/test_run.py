@@ -334,13 +334,22 @@ def test_dry_run_on_cpu_prints_a_paste_ready_command_and_the_estimate(tmp_path):
     proj = scaffold(tmp_path)
     res = cli("run", str(proj), "base", "--dry-run", "max_steps=3", env=cpu_env())
     assert res.returncode == 0, res.stderr
-    line = next(x for x in res.stdout.splitlines() if "deepspeed" in x and not x.startswith("#"))
+    # one CPU rank: the trainer itself (a world of one), without DeepSpeed's runner and launcher
+    line = next(x for x in res.stdout.splitlines() if "longspec.train" in x and not x.startswith("#"))
     words = shlex.split(line)
-    assert words[:2] == ["env", "DS_ACCELERATOR=cpu"]
-    i = next(n for n, w in enumerate(words) if w.endswith("deepspeed") or w == "deepspeed.launcher.runner")
-    assert words[i + 1:i + 3] == ["--num_gpus", "1"]
+    assert words[:2] == ["env", "DS_ACCELERATOR=cpu"] and "deepspeed" not in line
+    i = words.index("-m")
+    assert words[i - 1:i + 2] == ["-u", "-m", "longspec.train"] and words[i - 2].endswith("python")
     assert words[-5:] == ["--config-dir", str(proj / "conf"), "+exp=base", f"output_dir={proj / 'runs' / 'base'}",
                           "max_steps=3"]
+    # two CPU ranks (or a port asked for): DeepSpeed's runner starts them
+    for flags in (["--gpus", "2", "global_batch_size=null"], ["--master-port", "29777"]):
+        res = cli("run", str(proj), "base", "--dry-run", *flags, env=cpu_env())
+        assert res.returncode == 0, res.stderr
+        line = next(x for x in res.stdout.splitlines() if "longspec.train" in x and not x.startswith("#"))
+        words = shlex.split(line)
+        i = next(n for n, w in enumerate(words) if w.endswith("deepspeed") or w == "deepspeed.launcher.runner")
+        assert words[i + 1:i + 3] == ["--num_gpus", "2" if "--gpus" in flags else "1"], line
     assert "# per-GPU memory estimate" in res.stdout and "[CPU run: informational]" in res.stdout
     assert not (proj / "runs").exists()  # nothing started, nothing written
 

@@ -310,7 +310,7 @@ def test_evaluate_refuses_a_run_without_finished_draft(tmp_path, capsys):
 
 
 def test_default_prompt_count_follows_a_token_budget():
-    from longspec.evaluate import MAX_PROMPTS, MIN_PROMPTS, default_num_prompts
+    from longspec.measure.prompts import MAX_PROMPTS, MIN_PROMPTS, default_num_prompts
 
     assert default_num_prompts(64) == MAX_PROMPTS      # short prompts: many, tau varies per prompt
     assert default_num_prompts(448) == 9
