@@ -3,6 +3,7 @@
     python -m longspec.regenerate --config-dir DIR/conf +exp=STAGE [key=value ...] --out DIR
         [--server URL ...] [--api-key-env NAME ...] [--concurrency N] [--api completions|chat] [--batch N]
         [--prefix-tokens N] [--max-new-tokens N] [--shard-rows N] [--limit N] [--server-wait S]
+        [--idle-timeout S] [--retries N] [--served-model NAME]
         [--keep-truncated] [--force] [--json] [--rerun COMMAND]
 
 Reads the stage's train_file (longspec.data.records), asks the target (longspec.decode.engines:
@@ -13,7 +14,15 @@ shards), then resumes after the last complete shard; another source, target or s
 (exit 1, the reason) unless --force. A server that gives no answer leaves the rotation
 (longspec.decode.servers); when none has answered for --server-wait seconds (60) the run stops.
 A server's key comes from the environment only (OPENAI_API_KEY, or the variable --api-key-env
-names: longspec.project.serverkeys) and is shown nowhere; a 401 or 403 stops the run at once.
+names: longspec.project.serverkeys), goes to its server's origin alone (a redirect is not
+followed) and is shown nowhere (what a server writes back is cut short and masked); a 401 or
+403 stops the run at once. One run per folder: a second one is refused (exit 1), naming the first.
+
+Servers (longspec.decode.engines): the served model must be the stage's target (--served-model
+NAME takes another on purpose); every wait before the first row is bounded by --server-wait;
+answers stream, and a request with no byte for --idle-timeout seconds (120) is abandoned and tried
+again (--retries more times, 5; Retry-After honoured up to 120 s); an answer that cannot be kept
+(empty, over its token limit or its byte bound, text the tokenizer refuses) fails its row.
 
 Exit codes: 0 done, 1 refused (a config error, a key a server refused), 3 unreadable input,
 5 stopped by SIGTERM, 6 stopped because no server answered for --server-wait seconds, 7 done but
@@ -35,19 +44,20 @@ from pathlib import Path
 
 from longspec.data import regen as R
 from longspec.data import regenstore as S
-from longspec.runs.regenstate import clear_progress, untrainable_ids, write_progress
+from longspec.runs.regenstate import clear_progress, hold, untrainable_ids, write_progress
 from longspec.errors import ROWS_FAILED, SERVERS_GONE
 
 EXIT_REFUSED, EXIT_INPUT, EXIT_TERM, EXIT_INT = 1, 3, 5, 130
 EXIT_SERVERS, EXIT_FAILED = SERVERS_GONE, ROWS_FAILED           # 6, 7 (longspec.errors)
 INT_FLAGS = ("concurrency", "batch", "prefix-tokens", "max-new-tokens", "shard-rows", "limit", "window",
-             "server-wait")
+             "server-wait", "idle-timeout", "retries")
 DEFAULTS = {"out": None, "server": [], "api-key-env": [], "api": "completions", "concurrency": 4, "batch": 8,
             "prefix-tokens": 128, "max-new-tokens": None, "shard-rows": 1000, "limit": None, "window": None, "server-wait": 60,
-            "keep-truncated": False, "force": False, "json": False, "rerun": None}
+            "idle-timeout": 120, "retries": 5, "served-model": None, "keep-truncated": False, "force": False, "json": False, "rerun": None}
 FLAGS: dict = {}
 STOP: list[int] = []          # the exit code a stop signal asked for
 REFUSED: list[str] = []       # a server refused the key (401/403): the run stops, this is why
+HELD: list = []               # the folder's lock, held until the process exits
 
 
 def take_flags(argv: list[str]) -> tuple[list[str], dict]:
@@ -67,8 +77,8 @@ def take_flags(argv: list[str]) -> tuple[list[str], dict]:
             if name in ("server", "api-key-env"):
                 flags[name].append(value)
             elif name in INT_FLAGS:
-                if not value.isdigit() or int(value) < 1:
-                    raise SystemExit(f"error: --{name} {value}: a positive whole number")
+                if not value.isdigit() or int(value) < (0 if name == "retries" else 1):
+                    raise SystemExit(f"error: --{name} {value}: a {'' if name == 'retries' else 'positive '}whole number")
                 flags[name] = int(value)
             else:
                 flags[name] = value
@@ -91,13 +101,18 @@ def run(cfg) -> dict:
     settings = {"max_seq_length": max_seq, "prefix_tokens": FLAGS["prefix-tokens"],
                 "max_new_tokens": FLAGS["max-new-tokens"], "temperature": 0,
                 "chat_template_kwargs": R.CHAT_TEMPLATE_KWARGS, "keep_truncated": FLAGS["keep-truncated"]}
+    lock, holder = hold(out)
+    if lock is None:
+        raise S.RegenRefused(f"{out}: another regeneration writes this folder: {holder}; wait for it to end, or stop "
+                             "it, then run this again (one run per stage, --force or not)")
+    HELD.append(lock)
     S.refuse_own_output(train_file, out)
     expect = S.expectations(train_file, target, collator, settings, R.PROMPT_RULE)
     start, totals, retry = S.open_folder(out, expect, FLAGS["force"])
     out.mkdir(parents=True, exist_ok=True)
     total = R.count_records(train_file, FLAGS["limit"])
     tok = load_tokenizer(target)
-    engine = _engine(target, tok)
+    engine = _engine(target, tok, max_seq)
     rerun = FLAGS["rerun"]
     S.write_manifest(out, expect, engine.describe(), totals, total, start,
                      start >= total and not retry, rerun)
@@ -112,11 +127,15 @@ def run(cfg) -> dict:
     t0, redone = time.monotonic(), []
     try:
         if engine.kind == "server":
+            progress.engine = engine
             done = _served(engine, prompter, rows, progress)
         else:
             done = _embedded(engine, prompter, rows, progress)
         for row in done:
-            R.check_trainable(row, tok, collator, max_seq, FLAGS["keep-truncated"])   # as prepare will read it
+            try:
+                R.check_trainable(row, tok, collator, max_seq, FLAGS["keep-truncated"])   # as prepare will read it
+            except Exception as e:                     # noqa: BLE001 (a tokenizer that refuses the text)
+                row.status, row.reason = "failed", f"the target's tokenizer cannot take the row ({type(e).__name__})"
             if row.index < start:
                 redone.append(row)
                 continue
@@ -156,13 +175,14 @@ def run(cfg) -> dict:
             **({"stopped_by": "servers", "message": engine.rotation.gone_message()} if gone and not STOP else {})}
 
 
-def _engine(target: Path, tok):
+def _engine(target: Path, tok, max_seq: int):
     from longspec.decode.engines import EmbeddedEngine, ServerEngine
 
     if FLAGS["server"]:
-        return ServerEngine(FLAGS["server"], FLAGS["concurrency"], FLAGS["api"],
-                            template_kwargs=R.CHAT_TEMPLATE_KWARGS, wait=FLAGS["server-wait"],
-                            key_envs=FLAGS["api-key-env"])
+        return ServerEngine(FLAGS["server"], FLAGS["concurrency"], FLAGS["api"], idle=FLAGS["idle-timeout"],
+                            retries=FLAGS["retries"], template_kwargs=R.CHAT_TEMPLATE_KWARGS,
+                            wait=FLAGS["server-wait"], key_envs=FLAGS["api-key-env"], target=str(target),
+                            max_seq_length=max_seq, served_model=FLAGS["served-model"])
     return EmbeddedEngine(target, tok, FLAGS["batch"])
 
 
@@ -191,29 +211,41 @@ def _embedded(engine, prompter, rows, progress):
 
 
 def _served(engine, prompter, rows, progress):
-    from longspec.decode.engines import EngineError, KeyRefused, ordered
+    from longspec.decode.engines import EngineError, KeyRefused, Stopped, ordered
     from longspec.decode.servers import ServersGone
 
     def step(row):
         while row.status == "pending":
-            if REFUSED or engine.gone:
-                return                                 # the run stops: a row not started is left for a rerun
+            if STOP or REFUSED or engine.gone:
+                return                                 # the run stops: a row not finished is left for a rerun
             q = prompter.next_request(row)
             if q is None:
                 return
             msgs = row.messages[:row.todo[0]] if row.kind == "chat" else None
             try:
-                prompter.take(row, q, engine.ask(q, msgs))
-            except ServersGone:
+                ans = engine.ask(q, msgs)
+            except (ServersGone, Stopped):
                 return                                 # left pending: not written, a rerun makes it
             except KeyRefused as e:
                 REFUSED.append(str(e))                 # every request would be refused: stop, not a row failure
                 return
             except EngineError as e:
-                row.status, row.reason = "failed", str(e)
+                row.status, row.reason = "failed", engine.shown(str(e))
+                return
+            why = prompter.problem(row, q, ans)
+            if why is not None:
+                row.status, row.reason = "failed", why
+                return
+            prompter.take(row, q, ans)
+
+    def stop() -> bool:
+        if STOP or REFUSED or engine.gone:
+            engine.close()                             # requests in flight are cut, none is started
+            return True
+        return False
 
     window = FLAGS["window"] or len(engine.urls) * engine.concurrency * 4
-    yield from ordered(engine, rows, step, window, lambda: bool(STOP or REFUSED) or engine.gone)
+    yield from ordered(engine, rows, step, window, stop, tick=progress.tick)
 
 
 class Progress:
@@ -222,7 +254,7 @@ class Progress:
 
     def __init__(self, stage: str, start: int, total: int, writer, out: Path, every: float = 2.0):
         self.stage, self.start, self.total, self.writer, self.every = stage, start, total, writer, every
-        self.out = out
+        self.out, self.engine = out, None
         self.t0 = self.last = time.monotonic()
         self.tokens0 = writer.pending()["completion_tokens"]
         write_progress(out, stage, start, total)
@@ -239,7 +271,11 @@ class Progress:
         eta = _clock((self.total - done) / rate) if rate > 0 else "?"
         print(f"[{self.stage}] regenerate {done}/{self.total} rows  {rate:.2f} rows/s  {toks:.0f} tokens/s  "
               f"ETA {eta}  (kept {c['kept']}, truncated {c['truncated']}, failed {c['failed']}, "
-              f"skipped {c['skipped']}, untrainable {c['untrainable']})", file=sys.stderr, flush=True)
+              f"skipped {c['skipped']}, untrainable {c['untrainable']}){self.flight()}", file=sys.stderr, flush=True)
+
+    def flight(self) -> str:
+        n = getattr(self.engine, "inflight", None)
+        return "" if n is None else f"  {n} request{'s' * (n != 1)} in flight"
 
     def end(self) -> None:
         self.tick(force=True)

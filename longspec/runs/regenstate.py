@@ -12,7 +12,10 @@ of its progress record, of the target digest its manifest holds, and of what bot
                     Its counts (kept, truncated, failed, skipped, untrainable with the first ids)
                     are what `status` notes for a regeneration that ended (`written`).
 
-Pure: no torch (psutil through runs.liveness, hashlib for the digest).
+A run holds the folder's lock (`hold`) from before it reads the folder until it exits: one run per
+folder, --force or not.
+
+Pure: no torch (psutil through runs.liveness, hashlib for the digest, filelock).
 """
 
 from __future__ import annotations
@@ -88,6 +91,29 @@ def write_progress(folder: Path, stage: str, done: int, total: int) -> None:
         "format": PROGRESS_FORMAT, "pid": pid, "proc_start": liveness.proc_start_time(pid),
         "host": socket.gethostname(), "stage": stage, "done": int(done), "total": int(total),
         "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+
+
+def hold(folder: Path):
+    """The folder's run lock (longspec.files.atomic.lock_path; flock, so a run that dies, even by
+    kill -9, frees it): (the held lock, "") for this process to keep until it exits, or (None, who
+    holds it: `process PID (COMMAND)`) when another run writes the folder."""
+    from filelock import FileLock, Timeout
+
+    from longspec.files.atomic import lock_path
+
+    path = lock_path(folder)
+    lock = FileLock(str(path))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        others = [p for p in liveness.file_holders(path) if p != os.getpid()]
+        if not others:
+            return None, "another process (it cannot be named from here)"
+        argv = liveness.cmdline(others[0])
+        command = " ".join(argv)
+        command = command if len(command) <= 160 else command[:157] + "..."
+        return None, f"process {others[0]}" + (f" ({command})" if command else "")
+    return lock, ""
 
 
 def clear_progress(folder: Path) -> None:
