@@ -150,7 +150,7 @@ class ServerEngine:
         self.urls = [u.rstrip("/").removesuffix("/v1") for u in urls]
         self._keys = {u: serverkeys.key_of(k) for u, k in zip(self.urls, plan)}
         self.key_envs = {u: k.env for u, k in zip(self.urls, plan)}
-        self.concurrency, self.api, self.idle = concurrency, api, idle
+        self.concurrency, self.api, self.idle, self.wait = concurrency, api, idle, wait
         self.retries, self.backoff, self.retry_cap = retries, backoff, retry_cap
         self.template_kwargs = dict(template_kwargs or {})
         self.stopping = threading.Event()
@@ -192,7 +192,7 @@ class ServerEngine:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise EngineError(f"server {url} does not answer /v1/models within the --server-wait bound: {last}")
+                raise EngineError(f"server {url} does not answer /v1/models within {self.wait:g} s (--server-wait): {last}")
             try:
                 reply = self._request(url, "/v1/models", None, idle=max(min(left, self.idle), 0.5),
                                       max_bytes=MODELS_BYTES)
