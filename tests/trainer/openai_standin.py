@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,7 +37,8 @@ class StandIn:
         self.fault: Callable[[str], str | None] = lambda prompt: None
         self.redirect_to = ""                 # a redirect's Location
         self.seen: list[dict] = []
-        self.limited: set[str] = set()        # prompts already rate-limited once
+        self.limited: dict[str, float] = {}   # prompt -> when it was first rate-limited
+        self.limit_seconds = 3.0              # "ratelimit": 429 with Retry-After for this long
         self.release = threading.Event()      # hung requests end when it is set
         standin = self
 
@@ -92,9 +94,11 @@ class StandIn:
                     return self._send(302, b"", Location=standin.redirect_to)
                 if fault == "hang":
                     return self._hang()
-                if fault == "ratelimit" and prompt not in standin.limited:
-                    standin.limited.add(prompt)
-                    return self._send(429, b'{"error": "slow down"}', Retry_After="3")
+                if fault == "ratelimit":
+                    first = standin.limited.setdefault(prompt, time.monotonic())
+                    left = standin.limit_seconds - (time.monotonic() - first)
+                    if left > 0:
+                        return self._send(429, b'{"error": "slow down"}', Retry_After=str(math.ceil(left)))
                 text = answer_of(prompt)
                 if fault == "empty":
                     text = ""

@@ -223,3 +223,16 @@ def test_what_a_server_writes_is_cut_short_masked_and_retry_after_read():
     assert H.retry_after("7", cap=120) == 7 and H.retry_after("9999", cap=120) == 120
     date = time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(time.time() + 30))
     assert 25 <= H.retry_after(date, cap=120) <= 30 and H.retry_after("soon", cap=120) is None
+
+
+def test_a_key_given_as_the_name_of_its_variable_is_not_printed_back(monkeypatch):
+    from longspec.project import serverkeys
+
+    secret = "sk_live_" + os.urandom(8).hex()
+    monkeypatch.delenv(secret, raising=False)
+    with pytest.raises(serverkeys.KeyProblem) as e:
+        serverkeys.plan(["http://127.0.0.1:1"], [secret])
+    assert secret not in str(e.value) and "reads like a key" in str(e.value)
+    monkeypatch.delenv("VLLM_KEY_9", raising=False)
+    with pytest.raises(serverkeys.KeyProblem, match="--api-key-env VLLM_KEY_9: the variable is not set"):
+        serverkeys.plan(["http://127.0.0.1:1"], ["VLLM_KEY_9"])
