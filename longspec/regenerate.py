@@ -9,7 +9,7 @@
 Reads the stage's train_file (longspec.data.records), asks the target (longspec.decode.engines:
 greedy on the local target, or OpenAI-compatible servers with --server) by the prompt rules of
 longspec.data.regen, and writes OUT as ordered parquet shards plus manifest.json
-(longspec.data.regenstore). A rerun first asks the rows that failed again (put back in their
+(longspec.data.regenstore), through the loop of longspec.decode.regenloop. A rerun first asks the rows that failed again (put back in their
 shards), then resumes after the last complete shard; another source, target or setting is refused
 (exit 1, the reason) unless --force. A server that gives no answer leaves the rotation
 (longspec.decode.servers); when none has answered for --server-wait seconds (60) the run stops.
@@ -44,7 +44,7 @@ from pathlib import Path
 
 from longspec.data import regen as R
 from longspec.data import regenstore as S
-from longspec.runs.regenstate import clear_progress, hold, untrainable_ids, write_progress
+from longspec.runs.regenstate import Progress, clear_progress, hold, summary_text
 from longspec.errors import ROWS_FAILED, SERVERS_GONE
 
 EXIT_REFUSED, EXIT_INPUT, EXIT_TERM, EXIT_INT = 1, 3, 5, 130
@@ -92,6 +92,7 @@ def take_flags(argv: list[str]) -> tuple[list[str], dict]:
 
 def run(cfg) -> dict:
     from longspec.data.encoding import load_tokenizer
+    from longspec.decode.regenloop import embedded_rows, served_rows
     from longspec.training.entry import TrainError, read_config
 
     conf = read_config(cfg)
@@ -128,9 +129,9 @@ def run(cfg) -> dict:
     try:
         if engine.kind == "server":
             progress.engine = engine
-            done = _served(engine, prompter, rows, progress)
+            done = served_rows(engine, prompter, rows, FLAGS["window"], lambda: bool(STOP), REFUSED, progress.tick)
         else:
-            done = _embedded(engine, prompter, rows, progress)
+            done = embedded_rows(engine, prompter, rows, lambda: bool(STOP))
         for row in done:
             try:
                 R.check_trainable(row, tok, collator, max_seq, FLAGS["keep-truncated"])   # as prepare will read it
@@ -193,99 +194,6 @@ def _on_signal(signum, frame) -> None:
     print(f"\nregenerate: {signal.Signals(signum).name}: writing the rows done so far", file=sys.stderr, flush=True)
 
 
-def _embedded(engine, prompter, rows, progress):
-    """Rows a batch at a time; a chat's turns in rounds (every row's next turn in one batch)."""
-    while not STOP:
-        chunk = [r for _, r in zip(range(engine.batch), rows)]
-        if not chunk:
-            return
-        while not STOP:
-            asks = [(r, q) for r in chunk if r.status == "pending" for q in [prompter.next_request(r)] if q]
-            if not asks:
-                break
-            for (r, q), a in zip(asks, engine.answer([q for _, q in asks])):
-                prompter.take(r, q, a)
-        if any(r.status == "pending" for r in chunk):
-            return                                     # stopped halfway through: a rerun makes this batch
-        yield from chunk
-
-
-def _served(engine, prompter, rows, progress):
-    from longspec.decode.engines import EngineError, KeyRefused, Stopped, ordered
-    from longspec.decode.servers import ServersGone
-
-    def step(row):
-        while row.status == "pending":
-            if STOP or REFUSED or engine.gone:
-                return                                 # the run stops: a row not finished is left for a rerun
-            q = prompter.next_request(row)
-            if q is None:
-                return
-            msgs = row.messages[:row.todo[0]] if row.kind == "chat" else None
-            try:
-                ans = engine.ask(q, msgs)
-            except (ServersGone, Stopped):
-                return                                 # left pending: not written, a rerun makes it
-            except KeyRefused as e:
-                REFUSED.append(str(e))                 # every request would be refused: stop, not a row failure
-                return
-            except EngineError as e:
-                row.status, row.reason = "failed", engine.shown(str(e))
-                return
-            why = prompter.problem(row, q, ans)
-            if why is not None:
-                row.status, row.reason = "failed", why
-                return
-            prompter.take(row, q, ans)
-
-    def stop() -> bool:
-        if STOP or REFUSED or engine.gone:
-            engine.close()                             # requests in flight are cut, none is started
-            return True
-        return False
-
-    window = FLAGS["window"] or len(engine.urls) * engine.concurrency * 4
-    yield from ordered(engine, rows, step, window, stop, tick=progress.tick)
-
-
-class Progress:
-    """One line on stderr every few seconds: rows, rows/s, tokens/s, ETA; and the folder's progress
-    record (longspec.runs.regenstate: what `longspec status` shows while this runs)."""
-
-    def __init__(self, stage: str, start: int, total: int, writer, out: Path, every: float = 2.0):
-        self.stage, self.start, self.total, self.writer, self.every = stage, start, total, writer, every
-        self.out, self.engine = out, None
-        self.t0 = self.last = time.monotonic()
-        self.tokens0 = writer.pending()["completion_tokens"]
-        write_progress(out, stage, start, total)
-
-    def tick(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self.last < self.every:
-            return
-        self.last = now
-        c, done = self.writer.pending(), self.writer.next
-        write_progress(self.out, self.stage, done, self.total)
-        dt = max(now - self.t0, 1e-9)
-        rate, toks = (done - self.start) / dt, (c["completion_tokens"] - self.tokens0) / dt
-        eta = _clock((self.total - done) / rate) if rate > 0 else "?"
-        print(f"[{self.stage}] regenerate {done}/{self.total} rows  {rate:.2f} rows/s  {toks:.0f} tokens/s  "
-              f"ETA {eta}  (kept {c['kept']}, truncated {c['truncated']}, failed {c['failed']}, "
-              f"skipped {c['skipped']}, untrainable {c['untrainable']}){self.flight()}", file=sys.stderr, flush=True)
-
-    def flight(self) -> str:
-        n = getattr(self.engine, "inflight", None)
-        return "" if n is None else f"  {n} request{'s' * (n != 1)} in flight"
-
-    def end(self) -> None:
-        self.tick(force=True)
-
-
-def _clock(seconds: float) -> str:
-    s = int(seconds)
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
-
-
 # ----------------------------------------------------------------------------- entry point
 
 def guarded(cfg) -> int:
@@ -315,22 +223,6 @@ def guarded(cfg) -> int:
         sys.stderr.flush()
         os._exit(STOP[0])
     return code
-
-
-def summary_text(r: dict) -> str:
-    head = "stopped" if r.get("stopped_by") else ("done" if r["complete"] else "not finished")
-    text = (f"regenerate {r['stage']}: {head}, {r['done']}/{r['records']} records -> {r['out']}\n"
-            f"  kept {r['kept']}, truncated {r['truncated']}, failed {r['failed']}, skipped {r['skipped']}, "
-            f"untrainable {r['untrainable']}{untrainable_ids(r)}; "
-            f"tokens: prompt {r['prompt_tokens']:,}, new {r['completion_tokens']:,}; "
-            f"{r['rows_per_s']} rows/s, {r['tokens_per_s']} tokens/s")
-    if r.get("stopped_by") == "servers":
-        text += f"\n  {r['message']}:\n  {r['rerun']}"
-    elif r["failed"] and not r.get("stopped_by"):
-        fails = [p for p in r["problems"] if ": failed: " in p][:3]
-        text += (f"\n  {r['failed']} row{'s' if r['failed'] > 1 else ''} failed"
-                 + "".join(f"\n    {p}" for p in fails) + f"\n  the same command asks them again:\n  {r['rerun']}")
-    return text
 
 
 def main() -> None:

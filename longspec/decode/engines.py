@@ -339,6 +339,8 @@ def read_answer(reply, chat: bool) -> Answer:
             finish = c.get("finish_reason") or finish
     if not saw:
         raise ValueError("no answer text (no `text`, or a null `content`)")
+    if reply.events and finish is None:
+        raise ValueError("the stream ended without a finish reason (an answer cut off)")
     tokens = usage.get("completion_tokens") if usage else None
     tokens = tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0 else -1
     return Answer("".join(parts), tokens, "length" if finish == "length" else "stop")

@@ -169,8 +169,10 @@ class Client:
     def _connect(self, idle: float) -> http.client.HTTPConnection:
         timeout = min(CONNECT_S, idle)
         if self.https:
+            if self.context is None:
+                self.context = ssl.create_default_context()     # once: it reads the CA files
             conn: http.client.HTTPConnection = http.client.HTTPSConnection(
-                self.host, self.port, timeout=timeout, context=self.context or ssl.create_default_context())
+                self.host, self.port, timeout=timeout, context=self.context)
         else:
             conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
         try:
