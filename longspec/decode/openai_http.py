@@ -145,11 +145,14 @@ class Client:
             self._drop(conn)
 
     def _events(self, resp, max_bytes: int) -> list[dict]:
-        """A stream's `data:` events as parsed JSON, until [DONE] or the end of the body."""
-        events, seen = [], 0
+        """A stream's `data:` events as parsed JSON, until [DONE] or the end of the body; a body
+        that ends before any finish reason is an answer cut off (BrokeOff: a server killed mid-answer)."""
+        events, seen, finished = [], 0, False
         while True:
             line = resp.readline(LINE_BYTES + 1)
             if not line:
+                if not finished:
+                    raise BrokeOff("the answer broke off (the stream ended before its finish reason)")
                 return events
             seen += len(line)
             if seen > max_bytes or len(line) > LINE_BYTES:
@@ -165,6 +168,9 @@ class Client:
             except ValueError:
                 raise ValueError(f"an event that is not JSON: {excerpt(data, [self.key])}") from None
             events.append(doc if isinstance(doc, dict) else {"_": doc})
+            choices = events[-1].get("choices")
+            if isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") for c in choices):
+                finished = True
 
     def _connect(self, idle: float) -> http.client.HTTPConnection:
         timeout = min(CONNECT_S, idle)
