@@ -110,6 +110,8 @@ class StandIn:
 
             def _stream(self, body: dict, text: str, fault: str | None) -> None:
                 chat = "messages" in body
+                if not body.get("stream"):            # a client that does not stream: one JSON body
+                    return self._whole(chat, text, fault)
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.end_headers()
@@ -135,6 +137,16 @@ class StandIn:
                 if fault == "lie":
                     self.wfile.write(b"data: " + json.dumps({"choices": [], "usage": {"completion_tokens": 1_388_889}}).encode() + b"\n\n")
                 self.wfile.write(b"data: [DONE]\n\n")
+
+            def _whole(self, chat: bool, text: str, fault: str | None) -> None:
+                text = None if fault == "null" else ("9 " * 2_500_000 if fault == "huge" else text)
+                choice = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+                doc = {"choices": [{**choice, "finish_reason": "stop"}]}
+                if fault == "lie":
+                    doc["usage"] = {"completion_tokens": 1_388_889}
+                if fault == "stall":
+                    return self._hang()
+                self._send(200, json.dumps(doc).encode())
 
         self.httpd = _Quiet(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
