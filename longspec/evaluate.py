@@ -257,11 +257,12 @@ def evaluate(args: argparse.Namespace, log=None) -> dict:
     from longspec.measure import perprompt, report, prompts as P
     from longspec.model.weights import DraftLoadError
     from longspec.files.atomic import sha256_file
+    from longspec.project.stageview import StageView
 
     run_dir = args.run_dir
     conf, complete = read_run(run_dir)
     stage, draft, target, window = stage_draft(run_dir, conf, complete, args)
-    max_seq = int(_get(conf, "data.max_seq_length", 1024))
+    max_seq = StageView.of(conf).max_seq_length
 
     torch.manual_seed(args.seed)
     device = pick_device(args.device)

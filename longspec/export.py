@@ -1,6 +1,6 @@
 """Export a stage's draft for use outside longspec.
 
-    python -m longspec.export RUN_DIR --format hf|safetensors [--out PATH] [--force] [--json]
+    python -m longspec.export RUN_DIR --format hf|safetensors|vllm [--out PATH] [--force] [--json]
 
 hf           a folder in the layout of the released LongSpec drafts (sail/longspec-*): the
              reference inference code loads them with `<Family>GlideDecoderLayer.from_pretrained`,
@@ -13,8 +13,12 @@ hf           a folder in the layout of the released LongSpec drafts (sail/longsp
                                   input_layernorm / post_self_attention_layernorm /
                                   post_cross_attention_layernorm .weight
 safetensors  one .safetensors file with the same keys; the draft config rides in its metadata.
+vllm         the hf folder as vLLM loads it as a speculative draft with longspec's plugin
+             (longspec/serve/; the format: longspec/formats/vllmdraft.py): architecture
+             LongSpecGlideForCausalLM, the family's sliding-window key cleared, the target's layer
+             count recorded (its last layer's KV cache is what the cross-attention reads).
 
-Both are written atomically (a temp folder or file next to the destination, then a rename) and
+All are written atomically (a temp folder or file next to the destination, then a rename) and
 read back with longspec.model.weights.load_draft_state, which must give tensors equal to the
 source (torch.equal) before the export is reported. Exit codes: 0 ok, 1 refused (destination
 exists without --force, no finished draft), 2 usage, 3 unreadable input.
@@ -33,7 +37,7 @@ from typing import Any, Mapping
 from longspec.measure.runread import EvalError, read_run, stage_draft
 from longspec.files.atomic import fsync_path
 
-FORMATS = ("hf", "safetensors")
+FORMATS = ("hf", "safetensors", "vllm")
 FORMAT_VERSION = 1
 HF_WEIGHTS = "model.safetensors"
 HF_CONFIG = "config.json"
@@ -207,7 +211,11 @@ def export_draft(weights: Path, target: Path, fmt: str, out: Path, *, sliding_wi
     sha = sha256_file(weights) if weights.is_file() else None
     config = draft_config_json(tcfg, dcfg, target_name=str(target), dtype=dtypes[0] if len(dtypes) == 1 else "mixed",
                                stage=stage, source_sha256=sha)
-    write = write_hf if fmt == "hf" else write_safetensors
+    if fmt == "vllm":
+        from longspec.formats.vllmdraft import vllm_config
+
+        config = vllm_config(config, tcfg.num_hidden_layers)
+    write = write_safetensors if fmt == "safetensors" else write_hf
     write(state, config, out, force=force)
     verify_round_trip(state, out)
     files = sorted(p.name for p in out.iterdir()) if out.is_dir() else [out.name]
@@ -218,7 +226,7 @@ def export_draft(weights: Path, target: Path, fmt: str, out: Path, *, sliding_wi
 
 
 def default_out(run_dir: Path, stage: str, fmt: str) -> Path:
-    return run_dir / "export" / (f"{stage}-hf" if fmt == "hf" else f"{stage}.safetensors")
+    return run_dir / "export" / (f"{stage}.safetensors" if fmt == "safetensors" else f"{stage}-{fmt}")
 
 
 # ----------------------------------------------------------------------------- main

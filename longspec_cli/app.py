@@ -34,6 +34,7 @@ VERBS = {
     "monitor": "monitor",
     "eval": "eval",
     "export": "export",
+    "serve": "serve",
     "doctor": "doctor",
 }
 MARKUP = "rich"

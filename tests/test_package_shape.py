@@ -1,7 +1,9 @@
 """The shape of the two packages, read from their source (nothing is imported):
 
 - no import circle among the modules of `longspec_cli/` and `longspec/`;
-- no module over 450 lines.
+- no module over 450 lines (bench/'s scripts too);
+- thin verbs: no function of `longspec_cli/commands/` does more than about 45 lines of work;
+- one owner of the trainer modules' command lines (`longspec_cli/launch/trainer.py`).
 
 Both module-level imports and imports inside functions count: a function-level import still makes
 the two modules depend on each other, it only moves the failure from import time to call time.
@@ -141,9 +143,9 @@ def test_graph_sees_function_level_imports():
 
 
 def over_limit(limit: int = MAX_LINES) -> dict[str, int]:
-    """'pkg/file.py' -> line count, for every package module over `limit` lines."""
+    """'pkg/file.py' -> line count, for every package module (and bench/ script) over `limit` lines."""
     out = {}
-    for path in _modules().values():
+    for path in [*_modules().values(), *sorted((ROOT / "bench").glob("*.py"))]:
         n = len(path.read_text(encoding="utf-8").splitlines())
         if n > limit:
             out[path.relative_to(ROOT).as_posix()] = n
@@ -154,6 +156,76 @@ def test_no_module_over_450_lines():
     over = over_limit()
     assert not over, "modules over 450 lines (split them by job): " + ", ".join(
         f"{f} ({n})" for f, n in sorted(over.items()))
+
+
+def test_the_line_rule_reads_bench_too():
+    assert any(p.parent.name == "bench" for p in [ROOT / f for f in over_limit(10)])
+
+
+# ----------------------------------------------------------------------------- thin verbs
+
+MAX_VERB_LINES = 45
+
+
+def long_functions(folder: Path, limit: int = MAX_VERB_LINES, root: Path = ROOT) -> dict[str, int]:
+    """'file.py:line name' -> lines of work, for every function under `folder` that does more than
+    `limit` lines of it: its body from the first statement to the last, the docstring left out (a
+    Typer verb's signature is its parsing, declared; the body is what it does)."""
+    out = {}
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+            n = body[-1].end_lineno - body[0].lineno + 1 if body else 0
+            if n > limit:
+                out[f"{path.relative_to(root).as_posix()}:{node.lineno} {node.name}"] = n
+    return out
+
+
+def test_every_verb_is_thin():
+    """A verb parses, calls one library or launch function and renders: the work lives in launch/ or
+    the library, where the other front ends (the TUI, `run`, `demo`) reach it too."""
+    long = long_functions(ROOT / "longspec_cli" / "commands")
+    assert not long, f"verbs over {MAX_VERB_LINES} lines of work (move the work to launch/ or the library): " + \
+        ", ".join(f"{f} ({n})" for f, n in sorted(long.items()))
+
+
+def test_the_verb_rule_counts_the_body(tmp_path):
+    """The signature and the docstring do not count; every line from the first statement on does."""
+    (tmp_path / "v.py").write_text('def f(\n    a=1,\n    b=2,\n):\n    """Doc."""\n    x = a\n\n    return x + b\n')
+    assert long_functions(tmp_path, 2, tmp_path) == {"v.py:1 f": 3}
+    assert long_functions(tmp_path, 3, tmp_path) == {}
+
+
+# ----------------------------------------------------------------------------- one owner of the trainer's lines
+
+LINE_OWNER = "longspec_cli/launch/trainer.py"
+STARTED = {"train", "prepare", "show", "evaluate", "export", "regenerate", "doctor", "draftcheck"}
+
+
+def module_lines_outside_owner() -> list[str]:
+    """Where a module name the front end starts ('longspec.evaluate', ...) is written as a string
+    outside the owner, in the front end or the library's ground floor (the library's runnable
+    modules name themselves in their own help and messages)."""
+    names = {f"longspec.{m}" for m in STARTED}
+    out = []
+    paths = sorted((ROOT / "longspec_cli").rglob("*.py")) + [
+        p for g in PURE for p in sorted((ROOT / g.replace(".", "/")).rglob("*.py"))
+        if (ROOT / g.replace(".", "/")).is_dir()]
+    for path in paths:
+        rel = path.relative_to(ROOT).as_posix()
+        if rel == LINE_OWNER:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and node.value in names:
+                out.append(f"{rel}:{node.lineno} {node.value!r}")
+    return out
+
+
+def test_one_owner_builds_the_trainer_modules_command_lines():
+    found = module_lines_outside_owner()
+    assert not found, f"trainer module names outside {LINE_OWNER} (build the line there):\n  " + "\n  ".join(found)
 
 
 # ----------------------------------------------------------------------------- the trainer's layers
@@ -171,6 +243,7 @@ LAYERS = {
     "longspec.decode": {*PURE, "longspec.model"},
     "longspec.measure": {*PURE, "longspec.model", "longspec.data", "longspec.decode"},
     "longspec.training": {*PURE, "longspec.model", "longspec.data", "longspec.decode", "longspec.measure"},
+    "longspec.serve": {*PURE},     # runs inside vLLM's environment: vLLM, its torch and the ground floor
 }
 RUNNABLE = {"train", "prepare", "show", "evaluate", "export", "draftcheck", "tiny", "nodelaunch", "nodectl", "regenerate",
             "doctor"}

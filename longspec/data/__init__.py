@@ -7,6 +7,7 @@
     cache.py       the prepared cache: tokenize once, under a lock, serve as a memmap Dataset
     preview.py     the first records token by token (`prepare --show`) and the first-records check
     synthetic.py   the tiny preset's synthetic language, stage records and pre-training corpus
+    tinybuild.py   the tiny preset built: tokenizer, pre-trained target (cached), stage data (`python -m longspec.tiny`)
     regen.py       regeneration's rows: prompt rules (chat turns, document prefixes), the trained record
     regenstore.py  regeneration's folder: ordered parquet shards (atomic), manifest, resume, refusals
 

@@ -258,27 +258,52 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class Decoding:
+    """The opening and closing every decode loop shares: the prompt checked (a (1, P) tensor), a new
+    KV cache, the prefill timed up to `prefilled(first)` (the proposer started on the prompt, the
+    device synchronised), the stop rule (`finish`), and the result timed from the prefill on
+    (`result`, after a last synchronisation)."""
+
+    def __init__(self, prompt: torch.Tensor, max_new_tokens: int, eos_token_id=None):
+        self.prompt = _check_prompt(prompt)
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        self.max_new_tokens, self.eos = max_new_tokens, eos_token_id
+        self.cache = new_cache()
+        self.t0 = self.t1 = time.perf_counter()
+
+    def prefilled(self, first: int, proposer=None) -> tuple[torch.Tensor, list[int], bool]:
+        """After the prefill gave `first`: (the verified sequence (1, P + 1), tokens, done)."""
+        if proposer is not None:
+            proposer.start(self.prompt, self.cache)
+        _sync(self.prompt.device)
+        self.t1 = time.perf_counter()
+        tokens, done = self.finish([first])
+        return torch.cat([self.prompt, self.prompt.new_tensor([[first]])], dim=1), tokens, done
+
+    def finish(self, tokens: list[int]) -> tuple[list[int], bool]:
+        return _finish(tokens, self.max_new_tokens, self.eos)
+
+    def result(self, tokens: list[int], forwards: int, accepted: list[int]) -> DecodeResult:
+        _sync(self.prompt.device)
+        return DecodeResult(tokens, forwards, accepted, prefill_s=self.t1 - self.t0,
+                            decode_s=time.perf_counter() - self.t1)
+
+
 @torch.no_grad()
 def greedy_decode(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int,
                   eos_token_id: int | None = None) -> DecodeResult:
     """Plain greedy decoding with a KV cache: one target forward per token."""
-    prompt = _check_prompt(prompt)
-    if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be >= 1")
-    dev = prompt.device
-    cache = new_cache()
-    t0 = time.perf_counter()
+    run = Decoding(prompt, max_new_tokens, eos_token_id)
+    prompt, cache = run.prompt, run.cache
     tok = int(target_logits(model, prompt, cache, last_only=True)[-1].argmax())
-    _sync(dev)
-    t1 = time.perf_counter()
-    tokens, done = _finish([tok], max_new_tokens, eos_token_id)
+    _, tokens, done = run.prefilled(tok)
     forwards = 0
     while not done:
         tok = int(target_logits(model, prompt.new_tensor([[tok]]), cache)[-1].argmax())
         forwards += 1
-        tokens, done = _finish(tokens + [tok], max_new_tokens, eos_token_id)
-    _sync(dev)
-    return DecodeResult(tokens, forwards, [1] * forwards, prefill_s=t1 - t0, decode_s=time.perf_counter() - t1)
+        tokens, done = run.finish(tokens + [tok])
+    return run.result(tokens, forwards, [1] * forwards)
 
 
 @torch.no_grad()
@@ -288,17 +313,10 @@ def speculative_decode(model: nn.Module, proposer: Proposer, prompt: torch.Tenso
     prompt = _check_prompt(prompt)
     if gamma < 1:
         raise ValueError("gamma must be >= 1")
-    if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be >= 1")
-    dev = prompt.device
-    cache = new_cache()
-    t0 = time.perf_counter()
+    run = Decoding(prompt, max_new_tokens, eos_token_id)
+    cache = run.cache
     first = int(target_logits(model, prompt, cache, last_only=True)[-1].argmax())
-    proposer.start(prompt, cache)
-    _sync(dev)
-    t1 = time.perf_counter()
-    seq = torch.cat([prompt, prompt.new_tensor([[first]])], dim=1)                # (1, n) verified
-    tokens, done = _finish([first], max_new_tokens, eos_token_id)
+    seq, tokens, done = run.prefilled(first, proposer)                              # seq: (1, n) verified
     accepted: list[int] = []
     while not done:
         drafts = proposer.propose(seq, cache, gamma)                                # gamma ids
@@ -312,12 +330,11 @@ def speculative_decode(model: nn.Module, proposer: Proposer, prompt: torch.Tenso
         seq = torch.cat([seq, seq.new_tensor([new])], dim=1)
         crop_cache(cache, seq.shape[1] - 1)            # the new bonus token is not in the cache
         proposer.rollback(seq.shape[1] - 1)
-        tokens, done = _finish(tokens + new, max_new_tokens, eos_token_id)
-    _sync(dev)
-    return DecodeResult(tokens, len(accepted), accepted, prefill_s=t1 - t0, decode_s=time.perf_counter() - t1)
+        tokens, done = run.finish(tokens + new)
+    return run.result(tokens, len(accepted), accepted)
 
 
 __all__ = [
-    "DecodeResult", "Proposer", "GlideProposer", "greedy_decode", "speculative_decode",
+    "DecodeResult", "Decoding", "Proposer", "GlideProposer", "greedy_decode", "speculative_decode",
     "new_cache", "cache_length", "crop_cache", "last_layer_kv", "target_logits", "finish_tokens",
 ]

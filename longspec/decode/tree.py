@@ -43,7 +43,6 @@ top-k and never updates q after a rejection; that is not exact, so it is not rep
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol, Sequence
 
@@ -53,8 +52,8 @@ import torch.nn as nn
 from longspec.decode import tree_attn
 from longspec.model.glide import apply_rope
 from longspec.decode.chain import (
-    DecodeResult, GlideProposer, _cache_kwarg, _check_prompt, _finish, _sync, cache_length, crop_cache,
-    last_layer_kv, new_cache, target_logits,
+    DecodeResult, Decoding, GlideProposer, _cache_kwarg, _check_prompt, cache_length, crop_cache,
+    last_layer_kv, target_logits,
 )
 
 DEFAULT_TREE_SHAPE = (4, 16, 16, 16, 16)
@@ -328,19 +327,12 @@ def tree_decode(model: nn.Module, proposer: TreeProposer, prompt: torch.Tensor, 
     """Tree speculative decoding (greedy at temperature 0, else speculative sampling)."""
     prompt = _check_prompt(prompt)
     shape = parse_tree_shape(shape)
-    if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be >= 1")
+    run = Decoding(prompt, max_new_tokens, eos_token_id)
     if temperature < 0:
         raise ValueError("temperature must be >= 0")
-    dev = prompt.device
-    cache = new_cache()
-    t0 = time.perf_counter()
+    cache = run.cache
     first = _first_token(prefill_logits(model, prompt, cache), temperature, generator)
-    proposer.start(prompt, cache)
-    _sync(dev)
-    t1 = time.perf_counter()
-    seq = torch.cat([prompt, prompt.new_tensor([[first]])], dim=1)                # (1, n) verified
-    tokens, done = _finish([first], max_new_tokens, eos_token_id)
+    seq, tokens, done = run.prefilled(first, proposer)                              # seq: (1, n) verified
     accepted: list[int] = []
     while not done:
         tree = proposer.propose_tree(seq, cache, shape, temperature, generator)
@@ -353,32 +345,24 @@ def tree_decode(model: nn.Module, proposer: TreeProposer, prompt: torch.Tensor, 
         accepted.append(len(new))
         seq = torch.cat([seq, seq.new_tensor([new])], dim=1)
         proposer.rollback(seq.shape[1] - 1)
-        tokens, done = _finish(tokens + new, max_new_tokens, eos_token_id)
-    _sync(dev)
-    return DecodeResult(tokens, len(accepted), accepted, prefill_s=t1 - t0, decode_s=time.perf_counter() - t1)
+        tokens, done = run.finish(tokens + new)
+    return run.result(tokens, len(accepted), accepted)
 
 
 @torch.no_grad()
 def sample_decode(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, temperature: float,
                   eos_token_id: int | None = None, generator: torch.Generator | None = None) -> DecodeResult:
     """Plain sampling from the target, one forward per token (temperature 0 = greedy)."""
-    prompt = _check_prompt(prompt)
-    if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be >= 1")
-    dev = prompt.device
-    cache = new_cache()
-    t0 = time.perf_counter()
+    run = Decoding(prompt, max_new_tokens, eos_token_id)
+    prompt, cache = run.prompt, run.cache
     tok = _first_token(prefill_logits(model, prompt, cache), temperature, generator)
-    _sync(dev)
-    t1 = time.perf_counter()
-    tokens, done = _finish([tok], max_new_tokens, eos_token_id)
+    _, tokens, done = run.prefilled(tok)
     forwards = 0
     while not done:
         tok = _first_token(prefill_logits(model, prompt.new_tensor([[tok]]), cache), temperature, generator)
         forwards += 1
-        tokens, done = _finish(tokens + [tok], max_new_tokens, eos_token_id)
-    _sync(dev)
-    return DecodeResult(tokens, forwards, [1] * forwards, prefill_s=t1 - t0, decode_s=time.perf_counter() - t1)
+        tokens, done = run.finish(tokens + [tok])
+    return run.result(tokens, forwards, [1] * forwards)
 
 
 __all__ = [

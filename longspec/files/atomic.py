@@ -42,6 +42,16 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+def read_stamped_json(path: str | os.PathLike, fmt: Any) -> dict | None:
+    """The JSON object in `path` when its "format" field is `fmt`; None when the file is missing or
+    unreadable, not a JSON object, or of another format (a reader of a newer or older layout)."""
+    try:
+        doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and doc.get("format") == fmt else None
+
+
 def fsync_path(path: str | os.PathLike) -> None:
     """fsync a file or a folder by name (a folder: so a rename into it is durable)."""
     fd = os.open(path, os.O_RDONLY)

@@ -6,6 +6,8 @@ the trained-token view (torch-free: the front end imports this group; the writer
     prepared.py      the prepared cache's key, folder, manifest checks and refusals (data/cache.py
                      writes it)
     trainedview.py   `prepare --show`'s layout: trained spans in [brackets], or colour on a terminal
+    vllmdraft.py     the vLLM draft folder (`export --format vllm`), the vLLM versions the serving
+                     plugin supports, the engine flags a GLIDE draft needs
 
 (A docstring only: nothing loads through the package.)
 """

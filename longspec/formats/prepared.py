@@ -35,7 +35,6 @@ from longspec.formats.datafiles import names_data
 FORMAT = 1
 MANIFEST = "manifest.json"
 DATA_OPTIONS = ("collator", "max_seq_length", "on_bad_record")
-DATA_DEFAULTS = {"collator": "short_text", "max_seq_length": 1024, "on_bad_record": "error"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model",
                    "spiece.model", "chat_template.jinja", "chat_template.json")
@@ -72,9 +71,12 @@ def tokenizer_fingerprint(target: str | os.PathLike) -> str:
 
 
 def data_options(data: Any) -> dict[str, Any]:
-    """The `data:` block's options that change the tokens, defaults filled in."""
+    """The `data:` block's options that change the tokens, the trainer's defaults filled in (as
+    written: a value of the wrong type is the cache key's too; validation reports it)."""
+    from longspec.project.stageview import default
+
     data = data if isinstance(data, dict) else {}
-    return {k: data.get(k, DATA_DEFAULTS[k]) for k in DATA_OPTIONS}
+    return {k: data[k] if k in data else default(f"data.{k}") for k in DATA_OPTIONS}
 
 
 def untrainable_limit(data: Any) -> float:
@@ -111,11 +113,10 @@ def cache_dir(fields: dict[str, Any]) -> Path:
 
 
 def read_manifest(folder: Path) -> dict | None:
-    try:
-        doc = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) and doc.get("format") == FORMAT else None
+    """The cache folder's manifest when it is of this FORMAT, else None."""
+    from longspec.files.atomic import read_stamped_json
+
+    return read_stamped_json(Path(folder) / MANIFEST, FORMAT)
 
 
 def stat_key(path: Path) -> str:

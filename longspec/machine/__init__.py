@@ -7,6 +7,7 @@
     opsdir.py       the folder DeepSpeed's JIT ops build into; locks stopped builds left there
     memory.py       a stage's per-GPU memory estimate; the reference attention's chunk sizing rule
     evalmemory.py   eval's length buckets and whether the longest fits its device
+    vllmenv.py      the vLLM environment `serve` and `doctor` use: its Python, its vLLM and plugin
 
 (A docstring only: nothing loads through the package.)
 """

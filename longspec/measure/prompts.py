@@ -158,8 +158,9 @@ def default_prompts(path: Path, tokenizer, conf: dict, steps: int | None, *, len
     count, what the trainer's simulated tau decodes: longspec.measure.chainwalk). (prompts with limits
     and buckets, info, lengths); the arguments are eval's --lengths, --num-prompts, --max-new-tokens."""
     from longspec.measure.report import default_lengths
+    from longspec.project.stageview import StageView
 
-    max_seq = int(conf_get(conf, "data.max_seq_length", 1024))
+    max_seq = StageView.of(conf).max_seq_length
     lengths = lengths or default_lengths(max_seq)
     per = {n: num_prompts or default_num_prompts(n, len(lengths)) for n in lengths}
     prompts, info = stage_prompts(path, tokenizer, conf, steps, lengths=lengths, per_length=per)
@@ -182,10 +183,12 @@ def trained_indices(n: int, conf: dict, steps: int | None) -> set[int] | None:
     (longspec.data.encoding.ShardedBatchSampler: seeded shuffle per epoch, dealt over ranks); None when
     that cannot be known (records skipped as bad or untrainable, unknown step count or batch layout)."""
     from longspec.data.encoding import ShardedBatchSampler
+    from longspec.project.stageview import StageView
 
-    batch, accum = conf_get(conf, "per_gpu_train_batch_size"), conf_get(conf, "gradient_accumulation_steps", 1)
-    glob, seed = conf_get(conf, "global_batch_size"), conf_get(conf, "seed", 42)
-    if conf_get(conf, "data.on_bad_record", "error") != "error" or skipped_untrainable(conf) \
+    view = StageView.of(conf)
+    batch, accum = view.per_gpu_train_batch_size, view.gradient_accumulation_steps
+    glob, seed = conf_get(conf, "global_batch_size"), view.seed
+    if view.on_bad_record != "error" or skipped_untrainable(conf) \
             or not isinstance(steps, int) or steps < 0 \
             or not isinstance(batch, int) or not isinstance(accum, int) or batch < 1 or accum < 1:
         return None
@@ -245,11 +248,12 @@ def stage_prompts(path: Path, tokenizer, conf: dict, steps: int | None, *, lengt
     when too few are left), until every length bucket holds its share (per_length). Only the last
     records are read (longspec.data.records.tail_records), so this costs the same at any data size."""
     from longspec.data.records import DataError, tail_records, where_short
+    from longspec.project.stageview import StageView
 
     want = max(256, 16 * sum(per_length.values()))
     try:
         known = None if skipped_untrainable(conf) else records_of(conf)     # the prepared count is not the file's
-        count, last = tail_records(path, want, conf_get(conf, "data.on_bad_record", "error"), known)
+        count, last = tail_records(path, want, StageView.of(conf).on_bad_record, known)
     except (DataError, OSError) as e:
         raise PromptError(f"{path}: {e}", 3 if not isinstance(e, FileNotFoundError) else 2) from None
     tail = [(i, where_short(path, at), rec) for i, at, rec in last]
@@ -264,7 +268,7 @@ def stage_prompts(path: Path, tokenizer, conf: dict, steps: int | None, *, lengt
                      f"in the {lengths[0]}-token bucket")
     if not prompts:
         raise PromptError(f"{path}: no record gives a prompt of at most {max(lengths)} tokens "
-                          f"(collator {conf_get(conf, 'data.collator', 'short_text')}): a document gives "
+                          f"(collator {StageView.of(conf).collator}): a document gives "
                           f"its prefixes at each length it is longer than ({', '.join(map(str, lengths))}), "
                           f"a chat or chain-of-thought record its question", 3,
                           hint="--lengths sets the lengths (e.g. --lengths 256,512)")

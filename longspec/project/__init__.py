@@ -7,6 +7,7 @@
                        config.json / tokenizer files read as JSON
     placeholders.py    `[Your Directory]`, `<path>`, ... found as text before parsing
     composed.py        Composed: a composed stage (data, origins, files, problems; to/from JSON)
+    stageview.py       StageView: the typed settings of a composed stage, config.yaml's defaults read once
     hydracompose.py    compose a stage with Hydra itself, exactly as the trainer does; provenance
     hydraproblems.py   Hydra's errors as Problems with fixes
     composecache.py    compositions kept between commands, keyed by every file Hydra read

@@ -167,14 +167,18 @@ def _prepared_info(c, m, world: int) -> list[Problem]:
 
 def _regen_target(c, m) -> list[Problem]:
     """A warning when the train_file is a regeneration folder written by another target
-    (runs.regenstate: the digest the manifest holds against the stage's target now)."""
-    from longspec.runs.regenstate import other_target
-
+    (runs.regenstate: the digest the manifest holds against the stage's target now). A train_file
+    that is no folder is no regeneration folder: runs.regenstate (psutil) is imported only for one."""
     train, target = (c.get(k) if c.ok else None for k in ("train_file", "model_name_or_path"))
     if not (isinstance(train, str) and isinstance(target, str)):
         return []
     base = Path(m.root)
-    why = other_target(*(Path(v) if Path(v).is_absolute() else base / v for v in (train, target)))
+    train_path, target_path = (Path(v) if Path(v).is_absolute() else base / v for v in (train, target))
+    if not train_path.is_dir():
+        return []
+    from longspec.runs.regenstate import other_target
+
+    why = other_target(train_path, target_path)
     return [c.problem("warning", "train_file", why,
                       "the draft would learn another model's answers, not its target's")] if why else []
 

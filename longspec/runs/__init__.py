@@ -7,6 +7,7 @@
     scheduler.py    what SLURM says of a job (`scontrol show job`), `scancel`; bounded calls
     status.py       StageState per stage, and what `run` would do next
     quality.py      eval.json and the quality gate
+    stagedraft.py   the draft of a stage as eval, export and serve use it (or the refusal: none finished)
     draftpick.py    which draft a stage starts from (final or best/), the draft key a stage composes to
     regenstate.py   a regeneration folder as status/validate see it (progress, target digest, rows)
     diskspace.py    free space, failed writes and the checkpoint a rerun resumes from

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from pathlib import Path
 
 from longspec.runs import runfolder
@@ -158,46 +157,6 @@ def baseline_draft(upstream, *, planned: bool = False) -> tuple[Path | None, str
     return (weights, upstream.name) if weights is not None else (None, None)
 
 
-def eval_command(output_dir: str | os.PathLike, stage: str, *, gamma: int = 4, max_new_tokens: int | None = None,
-                 num_prompts: int | None = None, prompts: str | os.PathLike | None = None, device: str = "auto",
-                 baseline_draft: str | os.PathLike | None = None, baseline_stage: str | None = None,
-                 python: str | None = None, methods: tuple[str, ...] = ("chain",),
-                 tree_shape: tuple[int, ...] | None = None, temperature: float = 0.0,
-                 lengths: str | None = None, bench: str | None = None,
-                 prompt_tokens: tuple[int | None, int | None] = (None, None)) -> list[str]:
-    """argv of the measuring process (`python -m longspec.evaluate RUN ... --json`): it writes
-    RUN/eval.json (the stage's default measurement) or RUN/eval-<what>.json (--prompts, --bench,
-    other settings) and prints the same object as its last stdout line; exit 0 ok, 1 not lossless
-    or no finished draft, 2 usage, 3 unreadable input. ``baseline_draft``: the input draft (the
-    draft_from stage's final one), decoded on the same prompts (`baseline`, what gate_stage compares)."""
-    argv = [python or sys.executable, "-m", "longspec.evaluate", str(output_dir), "--stage", stage,
-            "--gamma", str(gamma), "--device", device, "--json"]
-    if max_new_tokens is not None:
-        argv += ["--max-new-tokens", str(max_new_tokens)]
-    if lengths:
-        argv += ["--lengths", lengths]
-    if bench:
-        argv += ["--bench", bench]
-    for flag, value in zip(("--min-prompt-tokens", "--max-prompt-tokens"), prompt_tokens):
-        if value is not None:
-            argv += [flag, str(value)]
-    for m in methods:
-        argv += ["--method", m]
-    if tree_shape:
-        argv += ["--tree-shape", *map(str, tree_shape)]
-    if temperature:
-        argv += ["--temperature", repr(float(temperature))]
-    if num_prompts is not None:  # else the evaluator picks by prompt length (8 to 32)
-        argv += ["--num-prompts", str(num_prompts)]
-    if prompts is not None:
-        argv += ["--prompts", str(prompts)]
-    if baseline_draft is not None:
-        argv += ["--baseline-draft", str(baseline_draft)]
-        if baseline_stage:
-            argv += ["--baseline-stage", baseline_stage]
-    return argv
-
-
 def gate_stage(cur_dir: str | os.PathLike, prev_dir: str | os.PathLike | None, pct: float, *,
                cur_sha256: str | None = None, prev_sha256: str | None = None) -> tuple[bool, str]:
     """The gate for a finished stage from its eval.json (and its draft_from stage's).
@@ -240,4 +199,4 @@ def gate_stage(cur_dir: str | os.PathLike, prev_dir: str | os.PathLike | None, p
 
 
 __all__ = ["EVAL_NAME", "EvalFileError", "read_eval", "method_taus", "method_figures", "length_rows", "longest_bucket", "result_files",
-           "eval_is_current", "gate_check", "eval_command", "gate_stage"]
+           "eval_is_current", "gate_check", "gate_stage"]

@@ -24,7 +24,6 @@ Pure: no torch (psutil through runs.liveness, hashlib for the digest, filelock).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import socket
 import sys
@@ -34,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from longspec.machine import liveness
-from longspec.files.atomic import atomic_write_json
+from longspec.files.atomic import atomic_write_json, read_stamped_json
 
 MANIFEST = "manifest.json"
 FORMAT = "longspec-regen-1"
@@ -60,11 +59,7 @@ def target_digest(target) -> str:
 
 def read_manifest(folder: Path) -> dict | None:
     """The folder's manifest when it is a regeneration folder's, else None."""
-    try:
-        doc = json.loads((Path(folder) / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) and doc.get("format") == FORMAT else None
+    return read_stamped_json(Path(folder) / MANIFEST, FORMAT)
 
 
 def other_target(train_file: Path, target: Path) -> str | None:
@@ -125,11 +120,7 @@ def clear_progress(folder: Path) -> None:
 
 
 def read_progress(folder: Path) -> dict | None:
-    try:
-        doc = json.loads((Path(folder) / PROGRESS).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) and doc.get("format") == PROGRESS_FORMAT else None
+    return read_stamped_json(Path(folder) / PROGRESS, PROGRESS_FORMAT)
 
 
 @dataclass

@@ -6,7 +6,6 @@ The probing runs in `python -m longspec.doctor` (this process never imports torc
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -40,10 +39,9 @@ def doctor_cmd(
         from rich.console import Console
         from rich.table import Table
 
-        from longspec_cli.launch.trainerjson import run_trainer_json
+        from longspec_cli.launch.trainer import doctor_argv, run_trainer_json
 
-        args = [sys.executable, "-m", "longspec.doctor", "--dir", str((where or Path.cwd()).expanduser().absolute())]
-        res = run_trainer_json(args, show_progress=False, allow_codes=(1,))
+        res = run_trainer_json(doctor_argv(where), show_progress=False, allow_codes=(1,))
         if as_json:
             typer.echo(json.dumps(res, indent=2))
         else:

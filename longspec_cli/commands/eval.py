@@ -13,8 +13,6 @@ from typing import List, Optional
 import typer
 
 from longspec_cli.boundary import run_cli
-from longspec.errors import RefusedError, UsageError
-from longspec_cli.launch.trainerjson import run_trainer_json
 
 EPILOG = """Examples:
 
@@ -116,93 +114,21 @@ def eval_cmd(
     """Measure each stage's draft: tau (tokens per target forward), tokens/s, speed-up, lossless."""
 
     def body() -> None:
-        from longspec.project.manifest import load_manifest
-        from longspec.runs.quality import baseline_draft, eval_command
-        from longspec.runs.status import FINISHED, project_status
+        from longspec_cli.launch import evalrun
 
-        if prompts is not None and not prompts.is_file():
-            raise UsageError(f"--prompts {prompts}: no such file")
-        if prompts is not None and bench is not None:
-            raise UsageError("--prompts and --bench: give one of them")
-        if bench is not None and bench.partition(":")[0] not in ("longbench", "aime"):
-            raise UsageError(f"--bench {bench!r}: give longbench:FOLDER or aime:FILE")
-        bench_arg = None
-        if bench is not None:
-            kind, _, where = bench.partition(":")
-            if not where:
-                raise UsageError(f"--bench {bench!r}: give longbench:FOLDER or aime:FILE")
-            bench_arg = f"{kind}:{Path(where).expanduser().resolve()}"
-        if device not in ("auto", "cpu", "cuda"):
-            raise UsageError(f"--device {device!r}: choose auto, cpu or cuda")
-        methods = tuple(dict.fromkeys(method or ("chain", "tree")))
-        bad = [m for m in methods if m not in ("chain", "tree")]
-        if bad:
-            raise UsageError(f"--method {bad[0]!r}: choose chain or tree")
-        manifest = load_manifest(project_dir)
-        names = list(stages or [])
-        shape = None
-        if tree_shape is not None:   # `--tree-shape 4 16 16`: the values after the first arrive as arguments
-            extra = [a for a in names if a.isdigit() and a not in manifest.stage_names]
-            names = [a for a in names if a not in extra]
-            shape = parse_shape([tree_shape, *extra])
-        chosen = [manifest.stage(s).name for s in names] if names else manifest.stage_names
-        states = {st.name: st for st in project_status(manifest)}
-        todo, skipped = [], []
-        for name in chosen:
-            st = states[name]
-            if st.state in FINISHED:
-                todo.append(st)
-            elif names:
-                raise RefusedError(f"stage {name} has no finished draft (state: {st.state})",
-                                   hint=f"train it first: longspec run {project_dir} {name}")
-            else:
-                skipped.append({"stage": name, "state": st.state})
-        if not todo:
-            raise RefusedError("no stage has a finished draft yet",
-                               hint=f"train one first: longspec run {project_dir} --all")
-        from longspec_cli.launch.evalcheck import run_refusal
-
-        for st in todo:     # the longest length bucket on the device eval decodes on: before anything starts
-            refused = run_refusal(st.output_dir, lengths, max_new_tokens, device, bench is not None)
-            if refused:
-                raise RefusedError(f"stage {st.name}: {refused[0]}", hint=refused[1])
-        results = []
-        for st in todo:
-            if not as_json:
-                typer.echo(f"evaluating {st.name} ...", err=True)
-            up_draft, up_name = baseline_draft(manifest.previous(st.name) if baseline else None)
-            argv = eval_command(st.output_dir, st.name, gamma=gamma, max_new_tokens=max_new_tokens,
-                                num_prompts=num_prompts, prompts=prompts.resolve() if prompts else None, device=device,
-                                baseline_draft=up_draft, baseline_stage=up_name, methods=methods, tree_shape=shape,
-                                temperature=temperature, lengths=lengths, bench=bench_arg,
-                                prompt_tokens=(min_prompt_tokens, max_prompt_tokens))
-            res = run_trainer_json(argv, show_progress=not as_json, allow_codes=(1,))
-            res["state"] = st.state
-            results.append(res)
-        # sampling has no token-for-token check: null, never a refusal
-        lossless = None if temperature > 0 else all(r.get("lossless") is True for r in results)
+        req = evalrun.EvalRequest(project_dir, tuple(stages or ()), prompts, tuple(dict.fromkeys(method or
+                                  evalrun.METHODS)), gamma, tree_shape, temperature, max_new_tokens, num_prompts,
+                                  lengths, bench, (min_prompt_tokens, max_prompt_tokens), device, baseline)
+        say = None if as_json else (lambda name: typer.echo(f"evaluating {name} ...", err=True))
+        outcome = evalrun.evaluate(req, say)
         if as_json:
-            typer.echo(json.dumps({"project": str(manifest.root), "results": results, "skipped": skipped,
-                                   "lossless": lossless}, indent=2))
+            typer.echo(json.dumps({"project": str(outcome.project), "results": outcome.results,
+                                   "skipped": outcome.skipped, "lossless": outcome.lossless}, indent=2))
         else:
-            _render(results, skipped)
-        if lossless is False:
-            bad = ", ".join(r["stage"] for r in results if r.get("lossless") is not True)
-            raise RefusedError(f"speculative output differs from plain greedy output for: {bad}",
-                               hint="see first_mismatch per prompt in the stage's eval.json")
+            _render(outcome.results, outcome.skipped)
+        evalrun.not_lossless(outcome)
 
     run_cli(body)
-
-
-def parse_shape(values: list[str]) -> tuple[int, ...]:
-    """`--tree-shape` values ("4 16 16", "4,16,16" or separate arguments) -> (4, 16, 16)."""
-    parts = [p for v in values for p in v.replace(",", " ").split()]
-    if not parts or not all(p.isdigit() and int(p) >= 1 for p in parts):
-        raise UsageError(f"--tree-shape {' '.join(values)!r}: give the nodes per level as whole numbers >= 1",
-                         hint="e.g. --tree-shape 4 16 16 16 16")
-    if sum(int(p) for p in parts) > 1024:
-        raise UsageError(f"--tree-shape {' '.join(parts)}: {sum(int(p) for p in parts)} nodes, at most 1024")
-    return tuple(int(p) for p in parts)
 
 
 def _label(m: dict) -> str:

@@ -1,4 +1,4 @@
-"""`longspec export DIR --stage S --format hf|safetensors`: a stage's draft for use outside longspec.
+"""`longspec export DIR --stage S --format hf|safetensors|vllm`: a stage's draft for use outside longspec.
 
 The work runs in `python -m longspec.export` (this process never imports torch).
 """
@@ -6,14 +6,13 @@ The work runs in `python -m longspec.export` (this process never imports torch).
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from longspec_cli.boundary import run_cli
-from longspec.errors import RefusedError, UsageError
+from longspec.errors import UsageError
 
 EPILOG = """Examples:
 
@@ -21,10 +20,14 @@ EPILOG = """Examples:
 
   longspec export demo --stage base --format safetensors --out drafts/base.safetensors
 
+  longspec export demo --stage longcot --format vllm
+
 hf: a folder like the released LongSpec drafts (config.json + model.safetensors, the reference's
-unprefixed key layout). safetensors: one file, same keys, the config in its metadata. Both are
-written atomically and read back before the command reports success.
-Default --out: the stage's run folder, export/<stage>-hf or export/<stage>.safetensors.
+unprefixed key layout). safetensors: one file, same keys, the config in its metadata. vllm: the hf
+folder as vLLM loads it as a speculative draft with longspec's plugin (`longspec serve` runs it).
+All are written atomically and read back before the command reports success.
+Default --out: the stage's run folder, export/<stage>-hf, export/<stage>-vllm or
+export/<stage>.safetensors.
 
 Exit codes: 0 ok, 1 refused (stage not finished, destination exists without --force),
 2 usage, 3 unreadable input (corrupt draft, draft that does not fit the target)."""
@@ -33,52 +36,35 @@ Exit codes: 0 ok, 1 refused (stage not finished, destination exists without --fo
 def export_cmd(
     project_dir: Path = typer.Argument(..., help="Project folder (or its longspec.yaml).", show_default=False),
     stage: Optional[str] = typer.Option(None, "--stage", "-s", help="Stage to export (default: the last finished one)."),
-    fmt: str = typer.Option(..., "--format", "-f", help="hf (a model folder) or safetensors (one file)."),
+    fmt: str = typer.Option(..., "--format", "-f", help="hf (a model folder), safetensors (one file) or vllm (a folder vLLM serves)."),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Destination folder (hf) or .safetensors file."),
     force: bool = typer.Option(False, "--force", help="Replace an existing destination."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
-    """Export a stage's draft as an HF-style folder or a plain .safetensors file."""
+    """Export a stage's draft as an HF-style folder, a plain .safetensors file or a vLLM draft folder."""
 
     def body() -> None:
-        from longspec_cli.launch.trainerjson import run_trainer_json
         from longspec.project.manifest import load_manifest
-        from longspec.runs.status import FINISHED, project_status
+        from longspec.runs.stagedraft import stage_draft
+        from longspec_cli.launch.trainer import export_argv, run_trainer_json
 
-        if fmt not in ("hf", "safetensors"):
-            raise UsageError(f"--format {fmt!r}: choose hf or safetensors")
+        if fmt not in ("hf", "safetensors", "vllm"):
+            raise UsageError(f"--format {fmt!r}: choose hf, safetensors or vllm")
         if out is not None and fmt == "safetensors" and out.suffix.lower() != ".safetensors":
             raise UsageError(f"--out {out}: a safetensors export is one file ending in .safetensors")
-        manifest = load_manifest(project_dir)
-        states = {st.name: st for st in project_status(manifest)}
-        if stage is not None:
-            st = states[manifest.stage(stage).name]
-            if st.state not in FINISHED:
-                raise RefusedError(f"stage {st.name} has no finished draft (state: {st.state})",
-                                   hint=f"train it first: longspec run {project_dir} {st.name}")
-        else:
-            done = [states[n] for n in manifest.stage_names if states[n].state in FINISHED]
-            if not done:
-                raise RefusedError("no stage has a finished draft yet",
-                                   hint=f"train one first: longspec run {project_dir} --all")
-            st = done[-1]
-        args = [sys.executable, "-m", "longspec.export", st.output_dir, "--stage", st.name, "--format", fmt]
-        if out is not None:
-            args += ["--out", str(out.expanduser().absolute())]
-        if force:
-            args.append("--force")
-        res = run_trainer_json(args, show_progress=False)
+        st = stage_draft(load_manifest(project_dir), stage, shown=str(project_dir))
+        res = run_trainer_json(export_argv(st.output_dir, st.name, fmt, out, force), show_progress=False)
         if as_json:
             typer.echo(json.dumps(res, indent=2))
             return
         typer.echo(f"exported stage {res['stage']} as {res['format']} ({res['architecture']}, {res['tensors']} tensors, "
                    f"{res['parameters']:,} parameters, {res['dtype']})")
-        typer.echo(f"  {res['out']}" + (f"/  [{', '.join(res['files'])}]" if res["format"] == "hf" else ""))
+        typer.echo(f"  {res['out']}" + (f"/  [{', '.join(res['files'])}]" if res["format"] != "safetensors" else ""))
         typer.echo("  read back with load_draft_state: identical tensors")
 
     run_cli(body)
 
 
 def register(app: typer.Typer) -> None:
-    app.command("export", help="Export a stage's draft as an HF folder or a .safetensors file.",
+    app.command("export", help="Export a stage's draft as an HF folder, a .safetensors file or a vLLM draft.",
                 epilog=EPILOG)(export_cmd)

@@ -14,7 +14,6 @@ from typing import List, Optional
 import typer
 
 from longspec_cli.boundary import run_cli
-from longspec.errors import INTERRUPTED, PREEMPTED, RefusedError, UsageError
 
 EPILOG = """Examples:
 
@@ -107,69 +106,24 @@ def regenerate_cmd(
     """Regenerate each stage's answers with its own target (greedy), resumable, in source order."""
 
     def body() -> None:
-        from longspec.project.manifest import load_manifest
-        from longspec.runs.regenstate import folder_state, stage_folder
-        from longspec_cli.launch.regen import rerun_command, run_stage, unfinished_error, use_folder
+        from longspec_cli.launch import regen
 
-        if api not in ("completions", "chat"):
-            raise UsageError(f"--api {api!r}: choose completions or chat")
-        from longspec.project import serverkeys
-
-        try:
-            serverkeys.plan(list(server or ()), list(api_key_env or ()))
-        except serverkeys.KeyProblem as e:
-            raise UsageError(str(e), hint=f"export {serverkeys.DEFAULT_ENV}=... (or the variable --api-key-env "
-                             "names) in the shell or the sbatch script that runs this") from None
-        manifest = load_manifest(project_dir)
-        chosen = [manifest.stage(s) for s in stages] if stages else list(manifest.stages)
-        # the flags as given (the module's defaults are the same), so the rerun command reads as typed
-        flags = [a for u in server or () for a in ("--server", u)]
-        flags += [a for n in api_key_env or () for a in ("--api-key-env", n)]       # names, never keys
-        for name, value, default in (("--concurrency", concurrency, 4), ("--server-wait", server_wait, 60),
-                                     ("--idle-timeout", idle_timeout, 120), ("--retries", retries, 5),
-                                     ("--served-model", served_model, None),
-                                     ("--api", api, "completions"), ("--batch", batch, 8),
-                                     ("--prefix-tokens", prefix_tokens, 128), ("--max-new-tokens", max_new_tokens, None),
-                                     ("--limit", limit, None)):
-            flags += [name, str(value)] if value != default else []
-        flags += ["--force"] if force else []
-        flags += ["--keep-truncated"] if keep_truncated else []
-        results, errors = [], []
-        for spec in chosen:
-            out = stage_folder(manifest.root, spec.name)
-            if not as_json:
-                typer.echo(f"== {spec.name}", err=True)
-            rerun = rerun_command(manifest.root, spec.name, flags + (["--use"] if use else []))
-            r = run_stage(spec, out, flags, show_progress=not as_json, rerun=rerun)
-            state = folder_state(out)
-            rows = r.get("kept", 0) + (r.get("truncated", 0) if keep_truncated else 0)
-            if use and rows and not r.get("stopped_by") and state is not None and (force or not state.unfinished):
-                r["used"] = use_folder(spec.config, out)
-            results.append(r)
-            if r.get("stopped_by") in ("SIGINT", "SIGTERM"):
-                break
-            if (err := unfinished_error(r, state)) is not None:
-                err.message += "; train_file left as it is" if use and not r.get("used") else ""
-                errors.append(err)
-                if r.get("stopped_by"):
-                    break
-                continue
-            if use and not r.get("used"):
-                why = f"is not complete ({state.refusal()})" if state is None or state.unfinished else "kept no row"
-                raise RefusedError(f"{spec.name}: the regeneration {why}; train_file left as it is ({out})",
-                                   hint="see the counts above; --keep-truncated keeps answers cut at the limit; "
-                                        "--force uses a folder with failed or missing rows")
+        req = regen.RegenRequest(project_dir, tuple(stages or ()), tuple(server or ()), tuple(api_key_env or ()),
+                                 concurrency, server_wait, api, batch, prefix_tokens, max_new_tokens, limit, use, force,
+                                 keep_truncated, idle_timeout, retries, served_model)
+        root, results, errors = regen.regenerate(req, None if as_json else
+                                                 (lambda name: typer.echo(f"== {name}", err=True)))
         if as_json:
-            typer.echo(json.dumps({"project": str(manifest.root), "stages": results}, indent=2))
+            typer.echo(json.dumps({"project": str(root), "stages": results}, indent=2))
         else:
             for r in results:
                 typer.echo(f"{r['stage']}: {r['kept']} rows kept, {r['truncated']} truncated, {r['failed']} failed, "
                            f"{r['skipped']} skipped, {r.get('untrainable', 0)} untrainable -> {r['out']}")
                 if r.get("used"):
                     typer.echo(f"  {r['used']}")
-        stopped = next((r["stopped_by"] for r in results if r.get("stopped_by") in ("SIGINT", "SIGTERM")), None)
-        if stopped:
-            raise typer.Exit(INTERRUPTED if stopped == "SIGINT" else PREEMPTED)
+        code = regen.stopped_code(results)
+        if code is not None:
+            raise typer.Exit(code)
         if errors:
             raise errors[0]
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
 
-from longspec_cli.launch import traincmd
+from longspec_cli.launch import trainer
 from longspec.machine.gpus import Gpu, detect_gpus  # noqa: F401  (the launch's GPUs)
-from longspec_cli.launch.traincmd import TRAINER_MODULE
+from longspec_cli.launch.trainer import TRAINER_MODULE
 from longspec.errors import RefusedError, UsageError
 
 LAUNCHERS = ("pdsh", "openmpi", "mvapich", "slurm")
@@ -255,8 +255,8 @@ def free_port() -> int:
 
 def trainer_args(conf_dir: Path, stage: str, output_dir: Path, overrides: list[str],
                  module: str = TRAINER_MODULE) -> list[str]:
-    """What follows the launcher flags (traincmd's builder), with the paths made absolute."""
-    return traincmd.trainer_args(Path(conf_dir).resolve(), stage, Path(output_dir).resolve(), overrides, module)
+    """What follows the launcher flags (launch.trainer's builder), with the paths made absolute."""
+    return trainer.trainer_args(Path(conf_dir).resolve(), stage, Path(output_dir).resolve(), overrides, module)
 
 
 def launcher_flags(p: Placement, r: Resources, *, pick_port: bool = True) -> list[str]:

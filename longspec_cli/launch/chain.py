@@ -87,7 +87,7 @@ def verify_explicit_draft(draft: Path, target: Path | None, deep: bool | None = 
 def run_deep_check(draft: Path, target: Path | None, sha: str | None, timeout: float = 600.0) -> dict | None:
     """Load the draft with weights_only=True in a subprocess (never in this process) and check it
     against the target; results for a given (sha256, target) are cached. None without torch."""
-    from longspec_cli.launch import trainerjson
+    from longspec_cli.launch import trainer
     from longspec.files.atomic import cache_get, cache_put
 
     if importlib.util.find_spec("torch") is None:
@@ -96,10 +96,7 @@ def run_deep_check(draft: Path, target: Path | None, sha: str | None, timeout: f
     hit = cache_get(DEEPCHECK_CACHE, cache_key) if cache_key else None
     if isinstance(hit, dict):
         return {**hit, "cached": True}
-    argv = trainerjson.module_argv("longspec.draftcheck", str(draft))
-    if target is not None:
-        argv += ["--target", str(target)]
-    run = trainerjson.run_module(argv, timeout=timeout)
+    run = trainer.run_module(trainer.draftcheck_argv(draft, target), timeout=timeout)
     if run.timed_out:
         raise InputError(f"checking {draft} took over {timeout:.0f} s",
                          hint="`longspec next-stage --no-deep` chains without the load check")

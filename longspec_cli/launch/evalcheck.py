@@ -8,6 +8,7 @@ from pathlib import Path
 from longspec.machine import evalmemory as EM
 from longspec.machine.gpus import MIB, detect_gpus
 from longspec.machine.memory import PRECISION_BYTES, ModelSize
+from longspec.project.stageview import StageView
 
 
 def gpu_free() -> int | None:
@@ -25,10 +26,10 @@ def run_refusal(run_dir: Path, lengths: str | None, max_new_tokens: int | None, 
     from longspec.files import yamlio
 
     try:
-        conf = yamlio.to_plain(yamlio.load_mapping(Path(run_dir) / "training_config.yaml").data)
-        max_seq = int((conf.get("data") or {}).get("max_seq_length") or 1024)
+        view = StageView.of_run(run_dir)
+        max_seq = view.max_seq_length
         buckets = EM.parse_lengths(lengths) if lengths else (None if bench else EM.default_lengths(max_seq))
-        size = ModelSize.from_config_json(Path(str(conf.get("model_name_or_path"))).expanduser() / "config.json")
+        size = ModelSize.from_config_json(Path(str(view.target)).expanduser() / "config.json")
     except (OSError, ValueError, TypeError, AttributeError, yamlio.YamlError):
         return None                              # evaluate reports what is wrong
     if not buckets:
@@ -37,6 +38,6 @@ def run_refusal(run_dir: Path, lengths: str | None, max_new_tokens: int | None, 
     available = gpu_free() if cuda else EM.cpu_available()
     if available is None:
         return None
-    nbytes = PRECISION_BYTES.get(str(conf.get("precision")), 2) if cuda else 4    # eval: fp32 on the CPU
+    nbytes = PRECISION_BYTES[view.precision] if cuda else 4    # eval: fp32 on the CPU
     return EM.refusal(size, buckets, EM.default_max_new(max_seq, max_new_tokens), nbytes, available,
                    "the GPU eval decodes on (free memory)" if cuda else "this machine's CPU memory (MemAvailable)", cuda)

@@ -58,10 +58,11 @@ def current_eval(spec: StageSpec, upstream: StageSpec | None) -> dict | None:
 def eval_argv(manifest: Manifest, spec: StageSpec) -> list[str]:
     """`python -m longspec.evaluate` for a stage, as `longspec eval` runs it (default settings)."""
     from longspec.runs import quality
+    from longspec_cli.launch.trainer import evaluate_argv
 
     weights, up_name = quality.baseline_draft(manifest.previous(spec.name), planned=True)
-    return quality.eval_command(spec.output_dir, spec.name, baseline_draft=weights,
-                                baseline_stage=up_name, methods=("chain", "tree"))
+    return evaluate_argv(spec.output_dir, spec.name, baseline_draft=weights, baseline_stage=up_name,
+                         methods=("chain", "tree"))
 
 
 def measure_stage(manifest: Manifest, spec: StageSpec, out: StageOutcome, req: RunRequest, console: Console) -> None:
@@ -98,7 +99,7 @@ def _run_eval(manifest: Manifest, spec: StageSpec, out: StageOutcome, req: RunRe
               console: Console) -> dict | None:
     """Run the evaluator (as `longspec eval`); the result, or None after a warning (--eval only)."""
     from longspec.runs import quality
-    from longspec_cli.launch.trainerjson import run_trainer_json
+    from longspec_cli.launch.trainer import run_trainer_json
 
     argv = eval_argv(manifest, spec)
     console.say(f"\n== {spec.name}: evaluating\n$ {' '.join(argv)}")

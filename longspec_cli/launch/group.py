@@ -20,11 +20,11 @@ from typing import Callable
 from longspec.machine import liveness
 from longspec.runs import runrecord
 from longspec.errors import RefusedError
+from longspec_cli.launch.trainer import TRAINER_MODULE
 
 GRACE_INT_S = 15.0  # after SIGINT: time for the ranks to unwind and the launcher to clean up
 GRACE_TERM_S = 10.0  # after SIGTERM, before SIGKILL
 SAVE_TIMEOUT_S = 600.0  # `stop`: how long the ranks may take to save before they are stopped anyway
-TRAINER_MODULE = "longspec.train"
 
 
 def utc_now() -> str:

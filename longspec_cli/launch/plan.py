@@ -14,8 +14,9 @@ from typing import Any, TextIO
 
 from longspec.runs import runfolder
 from longspec.project.manifest import Manifest, StageSpec
-from longspec.errors import RefusedError, UsageError
+from longspec.errors import RefusedError
 from longspec_cli.launch import argv as A
+from longspec_cli.launch.trainer import exp_location  # noqa: F401  (where every stage module reads its stage)
 
 
 @dataclass
@@ -103,17 +104,6 @@ class Console:
 
 def as_float(v: Any) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-
-
-def exp_location(spec: StageSpec) -> tuple[Path, str]:
-    """(conf dir, exp name) for `--config-dir CONF +exp=NAME`: the config must be CONF/exp/NAME.yaml."""
-    from longspec.project.hydracompose import stage_location
-
-    loc = stage_location(spec.config)
-    if loc is None:
-        raise UsageError(f"stage {spec.name}: {spec.config} is not inside a conf/exp/ folder",
-                         hint="Hydra reads a stage as --config-dir CONF +exp=NAME from CONF/exp/NAME.yaml")
-    return loc
 
 
 def composed(path: Path, overrides: tuple[str, ...] = ()):

@@ -14,6 +14,7 @@ from longspec.project.manifest import Manifest, StageSpec
 from longspec.errors import LongspecError, RefusedError, UsageError
 from longspec_cli.launch import argv as A
 from longspec.machine import memory as M
+from longspec.project.stageview import StageView
 from longspec_cli.launch.plan import Console, StagePlan, composed
 
 
@@ -120,24 +121,24 @@ def stage_shape(manifest: Manifest, spec: StageSpec, overrides: list[str], res: 
     zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
     off = zero.get("offload_optimizer")
     offload = isinstance(off, dict) and str(off.get("device", "none")).lower() in ("cpu", "nvme")
-    get = lambda d, k, default: d.get(k) if isinstance(d, dict) and isinstance(d.get(k), int) else default  # noqa: E731
-    precision = data.get("precision") if data.get("precision") in M.PRECISION_BYTES else "bf16"
+    stage = zero.get("stage") if isinstance(zero.get("stage"), int) else 0
+    view = StageView.of(data)
     # On CUDA the attention ladder's fused rungs (flash-attn, else torch's own) keep no mask; only
     # `kernels: reference` keeps the SDPA reference's there.
-    flash = (not res.cpu) and data.get("kernels") != "reference"
+    flash = (not res.cpu) and view.kernels != "reference"
     return M.StageShape(
-        size=size, precision=precision, zero_stage=get(zero, "stage", 0), offload_optimizer=offload,
-        seq_len=get(data.get("data"), "max_seq_length", 1024), micro_batch=get(data, "per_gpu_train_batch_size", 1),
-        world_size=res.world_size, flash=flash, loss_chunk=get(data, "loss_chunk_size", 0) or M.DEFAULT_CE_CHUNK,
-        sliding_window=get(data.get("draft"), "sliding_window", 512),
+        size=size, precision=view.precision, zero_stage=stage, offload_optimizer=offload,
+        seq_len=view.max_seq_length, micro_batch=view.per_gpu_train_batch_size,
+        world_size=res.world_size, flash=flash, loss_chunk=view.loss_chunk_size,
+        sliding_window=view.sliding_window,
         prefetch_params=_count(zero.get("stage3_prefetch_bucket_size"), 100_000_000), cuda=not res.cpu,
-        sequence_parallel=max(1, get(data, "sequence_parallel_size", 1)),
+        sequence_parallel=view.sequence_parallel_size,
         # Liger's loss where `kernels: fused` requires it; under `auto` a node may run either
-        loss_kernel="liger" if flash and data.get("kernels") == "fused" else ("either" if flash else "chunked"),
+        loss_kernel="liger" if flash and view.kernels == "fused" else ("either" if flash else "chunked"),
         reduce_bucket=_count(zero.get("reduce_bucket_size"), 0) or None,
-        overlap_comm=_flag(zero.get("overlap_comm"), get(zero, "stage", 0) >= 3),
+        overlap_comm=_flag(zero.get("overlap_comm"), stage >= 3),
         contiguous_gradients=_flag(zero.get("contiguous_gradients"), True),
-        grad_accumulation=max(1, get(data, "gradient_accumulation_steps", 1)),
+        grad_accumulation=view.gradient_accumulation_steps,
     )
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-import sys
 from typing import Any
 
 from longspec.formats import prepared as P
@@ -36,19 +35,10 @@ def stage_state(manifest: Manifest, spec: StageSpec, overrides: list[str] = (), 
     return P.stage_prepared(conf, manifest.root, world or world_of(manifest), full=full)
 
 
-def prepare_argv(spec: StageSpec, overrides: list[str], world: int, workers: int | None) -> list[str]:
-    from longspec_cli.launch.plan import exp_location
-
-    conf, exp = exp_location(spec)
-    argv = [sys.executable, "-m", "longspec.prepare", "--config-dir", str(conf), f"+exp={exp}",
-            *overrides, "--world", str(world), "--json"]
-    return argv + (["--workers", str(workers)] if workers else [])
-
-
 def run_prepare(spec: StageSpec, overrides: list[str], world: int, workers: int | None = None,
                 show_progress: bool = True) -> dict:
     """Tokenize (or find) the stage's cache in a child process; its JSON result."""
-    from longspec_cli.launch.trainerjson import run_trainer_json
+    from longspec_cli.launch.trainer import prepare_argv, run_trainer_json
 
     return run_trainer_json(prepare_argv(spec, list(overrides), world, workers), show_progress=show_progress)
 
@@ -83,10 +73,6 @@ def ensure_prepared(manifest: Manifest, spec: StageSpec, overrides: list[str], w
 
 def run_show(spec: StageSpec, overrides: list[str], count: int) -> dict:
     """The stage's first `count` records as the trainer encodes them (`python -m longspec.show`)."""
-    from longspec_cli.launch.trainerjson import run_trainer_json
-    from longspec_cli.launch.plan import exp_location
+    from longspec_cli.launch.trainer import run_trainer_json, show_argv
 
-    conf, exp = exp_location(spec)
-    argv = [sys.executable, "-m", "longspec.show", "--config-dir", str(conf), f"+exp={exp}",
-            *overrides, "--show", str(count), "--json"]
-    return run_trainer_json(argv, show_progress=False)
+    return run_trainer_json(show_argv(spec, overrides, count), show_progress=False)

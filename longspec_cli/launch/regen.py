@@ -1,12 +1,11 @@
-"""Regeneration from the CLI: one stage's `python -m longspec.regenerate` run, `--use`'s edit of the
-stage file, and the demo's plan (`longspec demo --regenerate`: each stage's data written again by
+"""Regeneration from the CLI: `longspec regenerate`'s work (its options checked, each stage's
+`python -m longspec.regenerate` run, `--use`'s edit of the stage file), and the demo's plan (`longspec demo --regenerate`: each stage's data written again by
 the tiny target before the stages train). Used by commands/regenerate.py and commands/demo.py.
 """
 
 from __future__ import annotations
 
 import shlex
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,14 +21,108 @@ DEMO_HELD_OUT = 40
 def run_stage(spec, out: Path, flags: list[str], show_progress: bool, rerun: str) -> dict:
     """`python -m longspec.regenerate` for one stage; its JSON summary. `rerun`: the command its
     messages and manifest name to go on."""
-    from longspec_cli.launch.trainerjson import run_trainer_json
-    from longspec_cli.launch.plan import exp_location
+    from longspec_cli.launch.trainer import regenerate_argv, run_trainer_json
 
-    conf, exp = exp_location(spec)
-    argv = [sys.executable, "-m", "longspec.regenerate", "--config-dir", str(conf), f"+exp={exp}",
-            "--out", str(out), *flags, "--rerun", rerun, "--json"]
-    return run_trainer_json(argv, show_progress=show_progress,
+    return run_trainer_json(regenerate_argv(spec, out, flags, rerun), show_progress=show_progress,
                             allow_codes=(PREEMPTED, INTERRUPTED, SERVERS_GONE, ROWS_FAILED))
+
+
+@dataclass(frozen=True)
+class RegenRequest:
+    """`longspec regenerate`'s options (the module's defaults are the same)."""
+    project_dir: Path
+    stages: tuple[str, ...] = ()
+    servers: tuple[str, ...] = ()
+    key_envs: tuple[str, ...] = ()                # variable names, never keys
+    concurrency: int = 4
+    server_wait: int = 60
+    api: str = "completions"
+    batch: int = 8
+    prefix_tokens: int = 128
+    max_new_tokens: int | None = None
+    limit: int | None = None
+    use: bool = False
+    force: bool = False
+    keep_truncated: bool = False
+    idle_timeout: int = 120
+    retries: int = 5
+    served_model: str | None = None
+
+
+def regen_flags(req: RegenRequest) -> list[str]:
+    """The module's flags as given (defaults left out), so the rerun command reads as typed."""
+    flags = [a for u in req.servers for a in ("--server", u)]
+    flags += [a for n in req.key_envs for a in ("--api-key-env", n)]
+    defaults = RegenRequest(req.project_dir)
+    for name, attr in (("--concurrency", "concurrency"), ("--server-wait", "server_wait"),
+                       ("--idle-timeout", "idle_timeout"), ("--retries", "retries"), ("--served-model", "served_model"),
+                       ("--api", "api"),
+                       ("--batch", "batch"), ("--prefix-tokens", "prefix_tokens"),
+                       ("--max-new-tokens", "max_new_tokens"), ("--limit", "limit")):
+        value = getattr(req, attr)
+        flags += [name, str(value)] if value != getattr(defaults, attr) else []
+    return flags + (["--force"] if req.force else []) + (["--keep-truncated"] if req.keep_truncated else [])
+
+
+def check_request(req: RegenRequest) -> None:
+    """UsageError (exit 2): an unknown --api, a server URL with credentials, a key variable unset."""
+    from longspec.errors import UsageError
+    from longspec.project import serverkeys
+
+    if req.api not in ("completions", "chat"):
+        raise UsageError(f"--api {req.api!r}: choose completions or chat")
+    try:
+        serverkeys.plan(list(req.servers), list(req.key_envs))
+    except serverkeys.KeyProblem as e:
+        raise UsageError(str(e), hint=f"export {serverkeys.DEFAULT_ENV}=... (or the variable --api-key-env "
+                         "names) in the shell or the sbatch script that runs this") from None
+
+
+def regenerate(req: RegenRequest, say=None) -> tuple[Path, list[dict], list[LongspecError]]:
+    """(project root, each stage's summary, the errors of stages left unfinished): every chosen stage
+    regenerated in turn (`say(stage)` before each, progress shown when given), --use applied to a
+    complete folder; stops after a signal or when no server answers. RefusedError for --use on a
+    folder it cannot use."""
+    from longspec.errors import RefusedError
+    from longspec.project.manifest import load_manifest
+    from longspec.runs.regenstate import folder_state, stage_folder
+
+    check_request(req)
+    manifest = load_manifest(req.project_dir)
+    chosen = [manifest.stage(s) for s in req.stages] if req.stages else list(manifest.stages)
+    flags = regen_flags(req)
+    results, errors = [], []
+    for spec in chosen:
+        out = stage_folder(manifest.root, spec.name)
+        if say is not None:
+            say(spec.name)
+        rerun = rerun_command(manifest.root, spec.name, flags + (["--use"] if req.use else []))
+        r = run_stage(spec, out, flags, show_progress=say is not None, rerun=rerun)
+        state = folder_state(out)
+        rows = r.get("kept", 0) + (r.get("truncated", 0) if req.keep_truncated else 0)
+        if req.use and rows and not r.get("stopped_by") and state is not None and (req.force or not state.unfinished):
+            r["used"] = use_folder(spec.config, out)
+        results.append(r)
+        if r.get("stopped_by") in ("SIGINT", "SIGTERM"):
+            break
+        if (err := unfinished_error(r, state)) is not None:
+            err.message += "; train_file left as it is" if req.use and not r.get("used") else ""
+            errors.append(err)
+            if r.get("stopped_by"):
+                break
+            continue
+        if req.use and not r.get("used"):
+            why = f"is not complete ({state.refusal()})" if state is None or state.unfinished else "kept no row"
+            raise RefusedError(f"{spec.name}: the regeneration {why}; train_file left as it is ({out})",
+                               hint="see the counts above; --keep-truncated keeps answers cut at the limit; "
+                                    "--force uses a folder with failed or missing rows")
+    return manifest.root, results, errors
+
+
+def stopped_code(results: list[dict]) -> int | None:
+    """The exit code of a run a signal stopped (130 for Ctrl-C, 5 for SIGTERM), else None."""
+    stopped = next((r["stopped_by"] for r in results if r.get("stopped_by") in ("SIGINT", "SIGTERM")), None)
+    return None if stopped is None else INTERRUPTED if stopped == "SIGINT" else PREEMPTED
 
 
 def rerun_command(root: Path, stage: str, flags: list[str]) -> str:

@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 
 from tests import needs
 from longspec_cli.app import app
-from longspec.runs.quality import (EvalFileError, eval_command, eval_is_current, gate_check, gate_stage,
-                                      read_eval)
+from longspec.runs.quality import EvalFileError, eval_is_current, gate_check, gate_stage, read_eval
+from longspec_cli.launch.trainer import evaluate_argv
 
 from .conftest import HAS_TORCH, finish_stage, no_traceback, panel_text
 
@@ -107,8 +107,8 @@ def test_gate_stage_reads_both_eval_files(tmp_path):
     assert ok and "no previous stage" in msg
 
 
-def test_eval_command_is_the_evaluate_module(tmp_path):
-    argv = eval_command(tmp_path / "runs" / "base", "base", gamma=3, prompts="p.jsonl")
+def test_evaluate_argv_is_the_evaluate_module(tmp_path):
+    argv = evaluate_argv(tmp_path / "runs" / "base", "base", gamma=3, prompts="p.jsonl")
     assert argv[0] == sys.executable and argv[1:4] == ["-m", "longspec.evaluate", str(tmp_path / "runs" / "base")]
     assert argv[argv.index("--gamma") + 1] == "3" and argv[-2:] == ["--prompts", "p.jsonl"] and "--json" in argv
 
@@ -146,19 +146,19 @@ def test_eval_usage_errors(project, tmp_path):
 
 def test_tree_shape_values_are_not_stage_names(project):
     """`--tree-shape 4 16 16`: the values after the first arrive as positional arguments."""
-    from longspec_cli.commands.eval import parse_shape
+    from longspec_cli.launch.evalrun import parse_shape
 
     assert parse_shape(["4", "16", "16"]) == parse_shape(["4 16,16"]) == (4, 16, 16)
     res = runner.invoke(app, ["eval", str(project.root), "base", "--tree-shape", "4", "16", "16"])
     assert res.exit_code == 1 and "stage base has no finished draft" in panel_text(res.output)
 
 
-def test_eval_command_passes_methods_shape_and_temperature(tmp_path):
-    argv = eval_command(tmp_path, "base", methods=("chain", "tree"), tree_shape=(2, 4), temperature=0.5)
+def test_evaluate_argv_passes_methods_shape_and_temperature(tmp_path):
+    argv = evaluate_argv(tmp_path, "base", methods=("chain", "tree"), tree_shape=(2, 4), temperature=0.5)
     joined = " ".join(argv)
     assert "--method chain --method tree" in joined and "--tree-shape 2 4" in joined and "--temperature 0.5" in joined
     assert "--max-new-tokens" not in joined and "--lengths" not in joined      # the evaluator's defaults
-    argv = eval_command(tmp_path, "long", lengths="1k,4k", bench="longbench:/d", prompt_tokens=(0, 9000))
+    argv = evaluate_argv(tmp_path, "long", lengths="1k,4k", bench="longbench:/d", prompt_tokens=(0, 9000))
     joined = " ".join(argv)
     assert "--lengths 1k,4k --bench longbench:/d --min-prompt-tokens 0 --max-prompt-tokens 9000" in joined
 

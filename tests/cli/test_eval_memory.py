@@ -49,7 +49,7 @@ def test_longspec_eval_refuses_a_128k_bucket_before_starting_the_evaluation(proj
         f"model_name_or_path: {project.target}\nprecision: bf16\ndata:\n  max_seq_length: 131072\n")
     monkeypatch.setattr(EM, "cpu_available", lambda: 64 * GiB)
     started = []
-    monkeypatch.setattr("longspec_cli.commands.eval.run_trainer_json", lambda *a, **k: started.append(a) or {})
+    monkeypatch.setattr("longspec_cli.launch.trainer.run_trainer_json", lambda *a, **k: started.append(a) or {})
     res = runner.invoke(app, ["eval", str(project.root), "base", "--device", "cpu"])
     assert res.exit_code == 1 and not started
     no_traceback(res)

@@ -39,6 +39,9 @@ MODULE_VERBS = {
     "longspec/project/checks/": ("validate", "run"),
     "launch/chain.py": ("next-stage",),  # run reaches only its project mode, whose hints name their verb
     "launch/scaffold.py": ("init",),
+    "launch/vllmcmd.py": ("serve",),
+    "launch/evalrun.py": ("eval",),
+    "launch/regen.py": ("regenerate",),   # demo reaches only its run_stage and plan, whose messages name no flag
 }
 
 
@@ -87,7 +90,8 @@ def verbs_of(path: Path) -> tuple[str, ...]:
     rel = path.relative_to(ROOT).as_posix().removeprefix("longspec_cli/")
     if rel.startswith("commands/"):
         return (path.stem.replace("_", "-"),)
-    return next((v for k, v in MODULE_VERBS.items() if rel.startswith(k)), ())
+    keys = [k for k in MODULE_VERBS if rel.startswith(k)]
+    return MODULE_VERBS[max(keys, key=len)] if keys else ()     # the most specific entry
 
 
 def hint_flags() -> list[tuple[str, str, str, str]]:

@@ -148,8 +148,8 @@ def test_templates_ship_in_the_wheel(tmp_path):
                    check=True, capture_output=True)
     for f in ("conf/config.yaml", "train.py", "training/__init__.py", "training/loop.py", "data/encoding.py"):
         assert f"longspec/{f}" in names                       # the trainer's groups ship too
-    code = ("from longspec.project import hydracompose, presets; from longspec_cli.launch import trainerjson\n"
-            "print(presets.templates_dir()); print(hydracompose.trainer_conf_dir()); print(trainerjson.trainer_root())\n"
+    code = ("from longspec.project import hydracompose, presets; from longspec_cli.launch import trainer\n"
+            "print(presets.templates_dir()); print(hydracompose.trainer_conf_dir()); print(trainer.trainer_root())\n"
             "from longspec.formats.prepared import collator_version; print(collator_version())")
     out = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
                          cwd=tmp_path, capture_output=True, text=True, check=True)

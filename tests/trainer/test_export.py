@@ -135,6 +135,22 @@ def test_hf_folder_round_trip_and_layout(tmp_path, family):
     assert cfg["longspec"]["draft_config"]["sliding_window"] == WINDOW
 
 
+def test_vllm_folder_names_the_plugin_architecture_and_the_targets_layers(tmp_path):
+    """`--format vllm`: the hf folder's tensors, the architecture longspec's vLLM plugin registers,
+    no family window key (vLLM would apply it to every layer of the draft, the cross-attention
+    included), the window kept in longspec.draft_config, the target's layer count."""
+    tdir, pth, state = make_run(tmp_path, "qwen2")
+    out = tmp_path / "vllm"
+    res = export_draft(pth, tdir, "vllm", out, sliding_window=WINDOW, stage="base")
+    assert res["verified"] and res["architecture"] == "LongSpecGlideForCausalLM"
+    assert_same(load_draft_state(out), state)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LongSpecGlideForCausalLM"] and cfg["model_type"] == "qwen2"
+    assert cfg["sliding_window"] is None and cfg["use_sliding_window"] is False
+    assert cfg["longspec"]["draft_config"]["sliding_window"] == WINDOW
+    assert cfg["target_num_hidden_layers"] == 2 and cfg["target_model_name_or_path"] == str(tdir)
+
+
 def test_hf_folder_loads_like_a_released_draft(tmp_path, family):
     """from_pretrained of a block-level PreTrainedModel: no missing/unexpected keys, same tensors."""
     from transformers import AutoConfig
