@@ -3,17 +3,26 @@
     python -m longspec.regenerate --config-dir DIR/conf +exp=STAGE [key=value ...] --out DIR
         [--server URL ...] [--api-key-env NAME ...] [--concurrency N] [--api completions|chat] [--batch N]
         [--prefix-tokens N] [--max-new-tokens N] [--shard-rows N] [--limit N] [--server-wait S]
+        [--idle-timeout S] [--retries N] [--served-model NAME]
         [--keep-truncated] [--force] [--json] [--rerun COMMAND]
 
 Reads the stage's train_file (longspec.data.records), asks the target (longspec.decode.engines:
 greedy on the local target, or OpenAI-compatible servers with --server) by the prompt rules of
 longspec.data.regen, and writes OUT as ordered parquet shards plus manifest.json
-(longspec.data.regenstore). A rerun first asks the rows that failed again (put back in their
+(longspec.data.regenstore), through the loop of longspec.decode.regenloop. A rerun first asks the rows that failed again (put back in their
 shards), then resumes after the last complete shard; another source, target or setting is refused
 (exit 1, the reason) unless --force. A server that gives no answer leaves the rotation
 (longspec.decode.servers); when none has answered for --server-wait seconds (60) the run stops.
 A server's key comes from the environment only (OPENAI_API_KEY, or the variable --api-key-env
-names: longspec.project.serverkeys) and is shown nowhere; a 401 or 403 stops the run at once.
+names: longspec.project.serverkeys), goes to its server's origin alone (a redirect is not
+followed) and is shown nowhere (what a server writes back is cut short and masked); a 401 or
+403 stops the run at once. One run per folder: a second one is refused (exit 1), naming the first.
+
+Servers (longspec.decode.engines): the served model must be the stage's target (--served-model
+NAME takes another on purpose); every wait before the first row is bounded by --server-wait;
+answers stream, and a request with no byte for --idle-timeout seconds (120) is abandoned and tried
+again (--retries more times, 5; Retry-After honoured up to 120 s); an answer that cannot be kept
+(empty, over its token limit or its byte bound, text the tokenizer refuses) fails its row.
 
 Exit codes: 0 done, 1 refused (a config error, a key a server refused), 3 unreadable input,
 5 stopped by SIGTERM, 6 stopped because no server answered for --server-wait seconds, 7 done but
@@ -35,19 +44,20 @@ from pathlib import Path
 
 from longspec.data import regen as R
 from longspec.data import regenstore as S
-from longspec.runs.regenstate import clear_progress, untrainable_ids, write_progress
+from longspec.runs.regenstate import Progress, clear_progress, hold, summary_text
 from longspec.errors import ROWS_FAILED, SERVERS_GONE
 
 EXIT_REFUSED, EXIT_INPUT, EXIT_TERM, EXIT_INT = 1, 3, 5, 130
 EXIT_SERVERS, EXIT_FAILED = SERVERS_GONE, ROWS_FAILED           # 6, 7 (longspec.errors)
 INT_FLAGS = ("concurrency", "batch", "prefix-tokens", "max-new-tokens", "shard-rows", "limit", "window",
-             "server-wait")
+             "server-wait", "idle-timeout", "retries")
 DEFAULTS = {"out": None, "server": [], "api-key-env": [], "api": "completions", "concurrency": 4, "batch": 8,
             "prefix-tokens": 128, "max-new-tokens": None, "shard-rows": 1000, "limit": None, "window": None, "server-wait": 60,
-            "keep-truncated": False, "force": False, "json": False, "rerun": None}
+            "idle-timeout": 120, "retries": 5, "served-model": None, "keep-truncated": False, "force": False, "json": False, "rerun": None}
 FLAGS: dict = {}
 STOP: list[int] = []          # the exit code a stop signal asked for
 REFUSED: list[str] = []       # a server refused the key (401/403): the run stops, this is why
+HELD: list = []               # the folder's lock, held until the process exits
 
 
 def take_flags(argv: list[str]) -> tuple[list[str], dict]:
@@ -67,8 +77,8 @@ def take_flags(argv: list[str]) -> tuple[list[str], dict]:
             if name in ("server", "api-key-env"):
                 flags[name].append(value)
             elif name in INT_FLAGS:
-                if not value.isdigit() or int(value) < 1:
-                    raise SystemExit(f"error: --{name} {value}: a positive whole number")
+                if not value.isdigit() or int(value) < (0 if name == "retries" else 1):
+                    raise SystemExit(f"error: --{name} {value}: a {'' if name == 'retries' else 'positive '}whole number")
                 flags[name] = int(value)
             else:
                 flags[name] = value
@@ -82,6 +92,7 @@ def take_flags(argv: list[str]) -> tuple[list[str], dict]:
 
 def run(cfg) -> dict:
     from longspec.data.encoding import load_tokenizer
+    from longspec.decode.regenloop import embedded_rows, served_rows
     from longspec.training.entry import TrainError, read_config
 
     conf = read_config(cfg)
@@ -91,13 +102,18 @@ def run(cfg) -> dict:
     settings = {"max_seq_length": max_seq, "prefix_tokens": FLAGS["prefix-tokens"],
                 "max_new_tokens": FLAGS["max-new-tokens"], "temperature": 0,
                 "chat_template_kwargs": R.CHAT_TEMPLATE_KWARGS, "keep_truncated": FLAGS["keep-truncated"]}
+    lock, holder = hold(out)
+    if lock is None:
+        raise S.RegenRefused(f"{out}: another regeneration writes this folder: {holder}; wait for it to end, or stop "
+                             "it, then run this again (one run per stage, --force or not)")
+    HELD.append(lock)
     S.refuse_own_output(train_file, out)
     expect = S.expectations(train_file, target, collator, settings, R.PROMPT_RULE)
     start, totals, retry = S.open_folder(out, expect, FLAGS["force"])
     out.mkdir(parents=True, exist_ok=True)
     total = R.count_records(train_file, FLAGS["limit"])
     tok = load_tokenizer(target)
-    engine = _engine(target, tok)
+    engine = _engine(target, tok, max_seq)
     rerun = FLAGS["rerun"]
     S.write_manifest(out, expect, engine.describe(), totals, total, start,
                      start >= total and not retry, rerun)
@@ -112,11 +128,15 @@ def run(cfg) -> dict:
     t0, redone = time.monotonic(), []
     try:
         if engine.kind == "server":
-            done = _served(engine, prompter, rows, progress)
+            progress.engine = engine
+            done = served_rows(engine, prompter, rows, FLAGS["window"], lambda: bool(STOP), REFUSED, progress.tick)
         else:
-            done = _embedded(engine, prompter, rows, progress)
+            done = embedded_rows(engine, prompter, rows, lambda: bool(STOP))
         for row in done:
-            R.check_trainable(row, tok, collator, max_seq, FLAGS["keep-truncated"])   # as prepare will read it
+            try:
+                R.check_trainable(row, tok, collator, max_seq, FLAGS["keep-truncated"])   # as prepare will read it
+            except Exception as e:                     # noqa: BLE001 (a tokenizer that refuses the text)
+                row.status, row.reason = "failed", f"the target's tokenizer cannot take the row ({type(e).__name__})"
             if row.index < start:
                 redone.append(row)
                 continue
@@ -156,13 +176,14 @@ def run(cfg) -> dict:
             **({"stopped_by": "servers", "message": engine.rotation.gone_message()} if gone and not STOP else {})}
 
 
-def _engine(target: Path, tok):
+def _engine(target: Path, tok, max_seq: int):
     from longspec.decode.engines import EmbeddedEngine, ServerEngine
 
     if FLAGS["server"]:
-        return ServerEngine(FLAGS["server"], FLAGS["concurrency"], FLAGS["api"],
-                            template_kwargs=R.CHAT_TEMPLATE_KWARGS, wait=FLAGS["server-wait"],
-                            key_envs=FLAGS["api-key-env"])
+        return ServerEngine(FLAGS["server"], FLAGS["concurrency"], FLAGS["api"], idle=FLAGS["idle-timeout"],
+                            retries=FLAGS["retries"], template_kwargs=R.CHAT_TEMPLATE_KWARGS,
+                            wait=FLAGS["server-wait"], key_envs=FLAGS["api-key-env"], target=str(target),
+                            max_seq_length=max_seq, served_model=FLAGS["served-model"])
     return EmbeddedEngine(target, tok, FLAGS["batch"])
 
 
@@ -171,83 +192,6 @@ def _on_signal(signum, frame) -> None:
         raise KeyboardInterrupt
     STOP.append(EXIT_INT if signum == signal.SIGINT else EXIT_TERM)
     print(f"\nregenerate: {signal.Signals(signum).name}: writing the rows done so far", file=sys.stderr, flush=True)
-
-
-def _embedded(engine, prompter, rows, progress):
-    """Rows a batch at a time; a chat's turns in rounds (every row's next turn in one batch)."""
-    while not STOP:
-        chunk = [r for _, r in zip(range(engine.batch), rows)]
-        if not chunk:
-            return
-        while not STOP:
-            asks = [(r, q) for r in chunk if r.status == "pending" for q in [prompter.next_request(r)] if q]
-            if not asks:
-                break
-            for (r, q), a in zip(asks, engine.answer([q for _, q in asks])):
-                prompter.take(r, q, a)
-        if any(r.status == "pending" for r in chunk):
-            return                                     # stopped halfway through: a rerun makes this batch
-        yield from chunk
-
-
-def _served(engine, prompter, rows, progress):
-    from longspec.decode.engines import EngineError, KeyRefused, ordered
-    from longspec.decode.servers import ServersGone
-
-    def step(row):
-        while row.status == "pending":
-            if REFUSED or engine.gone:
-                return                                 # the run stops: a row not started is left for a rerun
-            q = prompter.next_request(row)
-            if q is None:
-                return
-            msgs = row.messages[:row.todo[0]] if row.kind == "chat" else None
-            try:
-                prompter.take(row, q, engine.ask(q, msgs))
-            except ServersGone:
-                return                                 # left pending: not written, a rerun makes it
-            except KeyRefused as e:
-                REFUSED.append(str(e))                 # every request would be refused: stop, not a row failure
-                return
-            except EngineError as e:
-                row.status, row.reason = "failed", str(e)
-
-    window = FLAGS["window"] or len(engine.urls) * engine.concurrency * 4
-    yield from ordered(engine, rows, step, window, lambda: bool(STOP or REFUSED) or engine.gone)
-
-
-class Progress:
-    """One line on stderr every few seconds: rows, rows/s, tokens/s, ETA; and the folder's progress
-    record (longspec.runs.regenstate: what `longspec status` shows while this runs)."""
-
-    def __init__(self, stage: str, start: int, total: int, writer, out: Path, every: float = 2.0):
-        self.stage, self.start, self.total, self.writer, self.every = stage, start, total, writer, every
-        self.out = out
-        self.t0 = self.last = time.monotonic()
-        self.tokens0 = writer.pending()["completion_tokens"]
-        write_progress(out, stage, start, total)
-
-    def tick(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self.last < self.every:
-            return
-        self.last = now
-        c, done = self.writer.pending(), self.writer.next
-        write_progress(self.out, self.stage, done, self.total)
-        dt = max(now - self.t0, 1e-9)
-        rate, toks = (done - self.start) / dt, (c["completion_tokens"] - self.tokens0) / dt
-        eta = _clock((self.total - done) / rate) if rate > 0 else "?"
-        print(f"[{self.stage}] regenerate {done}/{self.total} rows  {rate:.2f} rows/s  {toks:.0f} tokens/s  "
-              f"ETA {eta}  (kept {c['kept']}, truncated {c['truncated']}, failed {c['failed']}, "
-              f"skipped {c['skipped']}, untrainable {c['untrainable']})", file=sys.stderr, flush=True)
-
-    def end(self) -> None:
-        self.tick(force=True)
-
-
-def _clock(seconds: float) -> str:
-    s = int(seconds)
-    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -279,22 +223,6 @@ def guarded(cfg) -> int:
         sys.stderr.flush()
         os._exit(STOP[0])
     return code
-
-
-def summary_text(r: dict) -> str:
-    head = "stopped" if r.get("stopped_by") else ("done" if r["complete"] else "not finished")
-    text = (f"regenerate {r['stage']}: {head}, {r['done']}/{r['records']} records -> {r['out']}\n"
-            f"  kept {r['kept']}, truncated {r['truncated']}, failed {r['failed']}, skipped {r['skipped']}, "
-            f"untrainable {r['untrainable']}{untrainable_ids(r)}; "
-            f"tokens: prompt {r['prompt_tokens']:,}, new {r['completion_tokens']:,}; "
-            f"{r['rows_per_s']} rows/s, {r['tokens_per_s']} tokens/s")
-    if r.get("stopped_by") == "servers":
-        text += f"\n  {r['message']}:\n  {r['rerun']}"
-    elif r["failed"] and not r.get("stopped_by"):
-        fails = [p for p in r["problems"] if ": failed: " in p][:3]
-        text += (f"\n  {r['failed']} row{'s' if r['failed'] > 1 else ''} failed"
-                 + "".join(f"\n    {p}" for p in fails) + f"\n  the same command asks them again:\n  {r['rerun']}")
-    return text
 
 
 def main() -> None:

@@ -184,6 +184,28 @@ class Prompter:
         row.prompt_tokens = len(ids)
         return Request(ids, text, room, tuple(stop_ids), tuple(s for s in stop_texts if s))
 
+    def problem(self, row: Row, req: Request, ans) -> str | None:
+        """Why a server's answer cannot be kept (the row then fails, and a rerun asks it again):
+        text the tokenizer cannot take, more tokens than the request allowed (counted here with
+        the target's tokenizer, with a little room for a retokenization that differs), an empty
+        chat answer. A document's empty continuation is no fault: check_trainable counts it.
+        An answer whose token count the server did not say, or said wrong, gets the count made here."""
+        try:
+            ans.text.encode("utf-8")
+        except UnicodeEncodeError:
+            return "the answer holds text that is not Unicode (a lone surrogate)"
+        if row.kind == "chat" and not ans.text.strip():
+            return "the server's answer is empty"
+        try:
+            n = len(self.tok(ans.text, add_special_tokens=False)["input_ids"])
+        except Exception as e:                                     # noqa: BLE001 (any refusal of the tokenizer)
+            return f"the target's tokenizer cannot take the answer ({type(e).__name__})"
+        if n > req.max_new + 16 + req.max_new // 20:
+            return f"the answer has {n:,} tokens, more than the {req.max_new:,} the request allowed"
+        if not n <= ans.tokens <= req.max_new + 1:
+            ans.tokens = n + (ans.finish == "stop")
+        return None
+
     def take(self, row: Row, req: Request, ans) -> None:
         """Record an answer; a chat answer cut at the limit ends the row as truncated. A document's
         continuation is kept however it ends (its finish reason says which): a document has no

@@ -10,35 +10,41 @@ finish reason "stop" | "length"), so the rows do not depend on which one made th
   ServerEngine     POST /v1/completions with the prompt text as the chat template rendered it
                    here (what the trainer reads), temperature 0, the end-of-turn text as `stop`;
                    or /v1/chat/completions (api="chat") with the turns and `chat_template_kwargs`
-                   as a top-level field (vLLM and transformers serve read it there). Several
-                   servers: each gets `concurrency` requests at a time; a 408, 429 or 5xx is
-                   retried with exponential backoff, other HTTP errors fail the row; a server that
-                   gives no answer (refused, reset, timed out) leaves the rotation until it answers
-                   again (longspec.decode.servers), and the request goes elsewhere.
+                   as a top-level field (vLLM and transformers serve read it there); streamed
+                   (server-sent events, longspec.decode.openai_http), every read bounded. Several
+                   servers: each gets `concurrency` requests at a time; a 408, 429 or 5xx, an
+                   answer that breaks off and one with no byte for `idle` seconds are tried again
+                   (Retry-After honoured, capped), other HTTP errors fail the row with a short,
+                   masked excerpt of the server's words; a server that cannot be reached leaves
+                   the rotation until it answers again (longspec.decode.servers), and the request
+                   goes elsewhere.
 
 Requests may carry different limits; an engine answers a list of them in order.
 """
 
 from __future__ import annotations
 
-import http.client
 import json
+import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from longspec.decode import openai_http as H
 from longspec.decode.servers import Rotation, ServerUnreachable
 
 RETRY_CODES = (408, 429, 500, 502, 503, 504)
+RETRY_AFTER_CAP = 120.0              # seconds: the longest Retry-After waited for (a longer one: this long)
+MODELS_BYTES = 1 << 20               # /v1/models' body
+ANSWER_BYTES, ANSWER_BYTES_PER_TOKEN = 1 << 20, 2048   # an answer's stream: 1 MiB + 2 KiB per new token allowed
+TICK_S = 0.5
 
 
 @dataclass
 class Answer:
     text: str
-    tokens: int          # new tokens, the stop token included (as a server's usage counts them)
+    tokens: int          # new tokens, the stop token included (as a server's usage counts them); -1: not said
     finish: str          # "stop" | "length"
 
 
@@ -48,6 +54,10 @@ class EngineError(RuntimeError):
 
 class KeyRefused(EngineError):
     """A server answered 401 or 403: the key is missing or wrong. The run stops at once."""
+
+
+class Stopped(Exception):
+    """The run is stopping: a request in flight was cut, or none is started (not a row's failure)."""
 
 
 class EmbeddedEngine:
@@ -112,16 +122,23 @@ class EmbeddedEngine:
 class ServerEngine:
     """OpenAI-compatible servers: `concurrency` requests at a time on each that answers
     (longspec.decode.servers.Rotation: a server that gives no answer leaves the rotation until it
-    answers again; `gone` turns true when none has answered for `wait` seconds)."""
+    answers again; `gone` turns true when none has answered for `wait` seconds).
+
+    Every request streams (`stream: true`) through longspec.decode.openai_http: no byte for `idle`
+    seconds abandons it (a try); 408, 429, 5xx, a break mid-answer and an idle request are tried
+    `retries` more times (Retry-After honoured up to `retry_cap` seconds, else backoff), then the
+    row fails. The served model is checked against `target` at the start (`served_model` names
+    another one on purpose)."""
 
     kind = "server"
 
-    def __init__(self, urls: list[str], concurrency: int = 4, api: str = "completions", timeout: float = 600.0,
+    def __init__(self, urls: list[str], concurrency: int = 4, api: str = "completions", idle: float = 120.0,
                  retries: int = 5, backoff: float = 1.0, template_kwargs: dict | None = None, wait: float = 60.0,
-                 key_envs: list[str] | None = None):
+                 key_envs: list[str] | None = None, target: str | None = None, max_seq_length: int | None = None,
+                 served_model: str | None = None, retry_cap: float = RETRY_AFTER_CAP):
         """key_envs: the environment variables the servers' keys are read from (longspec.project.
         serverkeys: OPENAI_API_KEY by default, one for all or one per server); a key is sent as
-        `Authorization: Bearer KEY` and shown nowhere."""
+        `Authorization: Bearer KEY` to its server's origin alone, and shown nowhere."""
         from longspec.project import serverkeys
 
         if api not in ("completions", "chat"):
@@ -133,10 +150,15 @@ class ServerEngine:
         self.urls = [u.rstrip("/").removesuffix("/v1") for u in urls]
         self._keys = {u: serverkeys.key_of(k) for u, k in zip(self.urls, plan)}
         self.key_envs = {u: k.env for u, k in zip(self.urls, plan)}
-        self.concurrency, self.api, self.timeout = concurrency, api, timeout
-        self.retries, self.backoff = retries, backoff
+        self.concurrency, self.api, self.idle, self.wait = concurrency, api, idle, wait
+        self.retries, self.backoff, self.retry_cap = retries, backoff, retry_cap
         self.template_kwargs = dict(template_kwargs or {})
-        self.models = {u: self._model_id(u) for u in self.urls}
+        self.stopping = threading.Event()
+        self.clients = {u: H.Client(u, self._keys[u], self.stopping) for u in self.urls}
+        self.inflight, self._count = 0, threading.Lock()
+        deadline = time.monotonic() + wait
+        self.served = {u: self._served(u, deadline, target, max_seq_length, served_model) for u in self.urls}
+        self.models = {u: s.get("id") for u, s in self.served.items()}
         self.pool = ThreadPoolExecutor(max_workers=len(self.urls) * concurrency, thread_name_prefix="regen")
         self.rotation = Rotation(self.urls, concurrency, wait, self._probe)
 
@@ -146,25 +168,54 @@ class ServerEngine:
 
     def describe(self) -> dict:
         return {"kind": self.kind, "servers": self.urls, "api": self.api, "concurrency": self.concurrency,
-                "models": self.models, "key_envs": {u: e for u, e in self.key_envs.items() if self._keys[u]}}
+                "models": self.models, "served": self.served,
+                "key_envs": {u: e for u, e in self.key_envs.items() if self._keys[u]}}
+
+    def shown(self, text: str) -> str:
+        """`text` with every key masked (a message that may hold what a server wrote)."""
+        return H.mask(text, self._keys.values())
 
     def close(self) -> None:
+        """Stop: requests in flight are cut (their sockets closed), none is started."""
+        self.stopping.set()
+        for c in self.clients.values():
+            c.abort_all()
         self.rotation.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    def _model_id(self, url: str) -> str | None:
-        """The served model's id (vLLM needs it in every request; a pinned transformers serve
-        wants the exact string or none). A server that does not answer is refused here."""
-        for k in range(3):
+    # ------------------------------------------------------------------ the served model
+
+    def _served(self, url: str, deadline: float, target, max_seq_length, named) -> dict:
+        """What `url` serves ({id, max_model_len, named}), from /v1/models, asked until `deadline`
+        (--server-wait); a server that serves another model than `target` is refused unless `named`."""
+        last = "no answer"
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise EngineError(f"server {url} does not answer /v1/models within {self.wait:g} s (--server-wait): {last}")
             try:
-                doc = self._call(url, "/v1/models", None)
-                break
-            except ServerUnreachable as e:
-                if k == 2:
-                    raise EngineError(f"server {url} does not answer /v1/models: {e.reason}") from None
-                time.sleep(self.backoff * 2 ** k)
-        data = doc.get("data") if isinstance(doc, dict) else None
-        return data[0].get("id") if data and isinstance(data[0], dict) else None
+                reply = self._request(url, "/v1/models", None, idle=max(min(left, self.idle), 0.5),
+                                      max_bytes=MODELS_BYTES)
+            except (H.Unreachable, H.Idle, H.BrokeOff) as e:
+                last = str(e)
+                time.sleep(min(self.backoff, max(deadline - time.monotonic(), 0)))
+                continue
+            if reply.status in (401, 403):
+                raise KeyRefused(self._refusal(url, reply.status))
+            if reply.status >= 300:
+                raise EngineError(f"server {url}: /v1/models answered HTTP {reply.status}"
+                                  + (f": {self._excerpt(reply.body)}" if reply.body.strip() else ""))
+            try:
+                doc = json.loads(reply.body)
+            except ValueError:
+                raise EngineError(f"server {url}: /v1/models answered what is not JSON "
+                                  f"({self._excerpt(reply.body) or 'an empty body'}): not an OpenAI-compatible server?") from None
+            data = doc.get("data") if isinstance(doc, dict) else None
+            entries = [d for d in data if isinstance(d, dict) and isinstance(d.get("id"), str)] if isinstance(data, list) else []
+            return served_entry(url, entries, target, max_seq_length, named)
+
+    def _excerpt(self, raw: bytes) -> str:
+        return H.excerpt(raw, self._keys.values())
 
     def _refusal(self, url: str, code: int) -> str:
         env = self.key_envs[url]
@@ -174,12 +225,19 @@ class ServerEngine:
         return f"server {url} refused the key read from {env} (HTTP {code}; the key is not shown): check {env}"
 
     def _probe(self, url: str) -> None:
-        self._call(url, "/v1/models", None, timeout=5.0)
+        try:
+            self._request(url, "/v1/models", None, idle=5.0, max_bytes=MODELS_BYTES)
+        except (H.Unreachable, H.Idle, H.BrokeOff, H.Stopped) as e:
+            raise ServerUnreachable(url, str(e) or "stopped") from None
+
+    # ------------------------------------------------------------------ requests
 
     def ask(self, request, messages: list[dict] | None = None):
         """One request's Answer, in this thread (a row's turns are asked one after another).
-        ServersGone when no server has answered for the rotation's wait."""
+        ServersGone when no server has answered for the rotation's wait; Stopped once `close` ran."""
         while True:
+            if self.stopping.is_set():
+                raise Stopped()
             i = self.rotation.acquire()
             try:
                 return self._one(self.urls[i], request, messages)
@@ -194,62 +252,151 @@ class ServerEngine:
         return [f.result() for f in futs]
 
     def _one(self, url: str, req, messages):
-        body: dict[str, Any] = {"max_tokens": req.max_new, "temperature": 0}
+        body: dict[str, Any] = {"max_tokens": req.max_new, "temperature": 0, "stream": True,
+                                "stream_options": {"include_usage": True}}
         if self.models[url]:
             body["model"] = self.models[url]
         if req.stop_texts:
             body["stop"] = list(req.stop_texts)
+        chat = self.api == "chat" and messages is not None
+        if chat:
+            body["messages"] = messages
+            body["chat_template_kwargs"] = self.template_kwargs
+        else:
+            body["prompt"] = req.text
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        reply = self._call(url, path, body, ANSWER_BYTES + ANSWER_BYTES_PER_TOKEN * req.max_new)
         try:
-            if self.api == "chat" and messages is not None:
-                body["messages"] = messages
-                body["chat_template_kwargs"] = self.template_kwargs
-                doc = self._call(url, "/v1/chat/completions", body)
-                choice = doc["choices"][0]
-                text = (choice.get("message") or {}).get("content") or ""
-            else:
-                body["prompt"] = req.text
-                doc = self._call(url, "/v1/completions", body)
-                choice = doc["choices"][0]
-                text = choice.get("text") or ""
-            finish = "length" if choice.get("finish_reason") == "length" else "stop"
-            tokens = int((doc.get("usage") or {}).get("completion_tokens") or 0)
-            return Answer(text, tokens, finish)
+            return read_answer(reply, chat)
         except (KeyError, IndexError, TypeError, ValueError) as e:
-            raise EngineError(f"unexpected answer from {url}: {e!r}") from None
+            raise EngineError(f"{url}{path}: an answer that cannot be read ({self.shown(str(e))[:H.EXCERPT]})") from None
 
-    def _call(self, url: str, path: str, body: dict | None, timeout: float | None = None) -> dict:
-        """GET (body None) or POST JSON to one server; 408, 429 and 5xx retried with backoff (the
-        server answers: it is up), other HTTP errors raise EngineError, no answer ServerUnreachable."""
+    def _request(self, url: str, path: str, body: dict | None, idle: float, max_bytes: int):
+        with self._count:
+            self.inflight += 1
+        try:
+            return self.clients[url].request("GET" if body is None else "POST", path, body, idle, max_bytes,
+                                             stream=body is not None)
+        except H.Redirected as e:
+            raise EngineError(f"server {url}{path} redirects to {shown_url(str(e))}: not followed (the key goes to "
+                              f"{url} alone); give --server the URL it redirects to") from None
+        except H.Stopped:
+            raise Stopped() from None
+        finally:
+            with self._count:
+                self.inflight -= 1
+
+    def _call(self, url: str, path: str, body: dict, max_bytes: int):
+        """POST one request, tried again on 408, 429, 5xx, an idle wait or a break mid-answer;
+        other HTTP errors raise EngineError, no connection ServerUnreachable."""
         last = ""
         for k in range(self.retries + 1):
-            data = None if body is None else json.dumps(body).encode()
-            headers = {"Content-Type": "application/json"}
-            if self._keys.get(url):
-                headers["Authorization"] = f"Bearer {self._keys[url]}"
-            req = urllib.request.Request(url + path, data=data, headers=headers)
+            delay = self.backoff * 2 ** k
             try:
-                with urllib.request.urlopen(req, timeout=timeout or self.timeout) as r:
-                    return json.loads(r.read())
-            except urllib.error.HTTPError as e:
-                if e.code in (401, 403):
-                    raise KeyRefused(self._refusal(url, e.code)) from None
-                detail = e.read()[:300].decode("utf-8", "replace")   # a 500 body may be plain text
-                last = f"HTTP {e.code}: {detail}"
-                if e.code not in RETRY_CODES:
-                    raise EngineError(f"{url}{path}: {last}") from None
-            except (urllib.error.URLError, TimeoutError, OSError, http.client.HTTPException) as e:
-                raise ServerUnreachable(url, str(getattr(e, "reason", e)) or type(e).__name__) from None
-            if k < self.retries:
-                time.sleep(self.backoff * 2 ** k)
+                reply = self._request(url, path, body, self.idle, max_bytes)
+            except H.Unreachable as e:
+                raise ServerUnreachable(url, str(e)) from None
+            except (H.Idle, H.BrokeOff) as e:
+                last = str(e)
+            except H.TooLarge as e:
+                raise EngineError(f"{url}{path}: {e}, past the bound for {body['max_tokens']} new tokens") from None
+            except ValueError as e:
+                raise EngineError(f"{url}{path}: {self.shown(str(e))}") from None
+            else:
+                if reply.status in (401, 403):
+                    raise KeyRefused(self._refusal(url, reply.status))
+                if reply.status < 300:
+                    return reply
+                said = self._excerpt(reply.body)
+                last = f"HTTP {reply.status}" + (f": {said}" if said else "")
+                if reply.status not in RETRY_CODES:
+                    raise EngineError(f"{url}{path}: {last}")
+                wait = H.retry_after(reply.headers.get("retry-after"), self.retry_cap)
+                delay = delay if wait is None else wait
+            if k < self.retries and self.stopping.wait(delay):
+                raise Stopped()
         raise EngineError(f"{url}{path}: {last} (after {self.retries + 1} attempts)")
 
 
-def ordered(engine, rows, step: Callable, window: int, stop: Callable[[], bool]):
+def read_answer(reply, chat: bool) -> Answer:
+    """An Answer from a streamed reply's events (or a whole JSON body, from a server that does not
+    stream). No text at all (no `text`, a null `content`) is an error; "" is an empty answer."""
+    events = reply.events if reply.events or not reply.body else [json.loads(reply.body)]
+    parts: list[str] = []
+    finish, usage, saw = None, None, False
+    for ev in events:
+        if ev.get("error"):
+            raise ValueError(f"the server reported an error mid-answer: {ev['error']}")
+        if isinstance(ev.get("usage"), dict):
+            usage = ev["usage"]
+        for c in ev.get("choices") or []:
+            piece = (c.get("delta") or c.get("message") or {}).get("content") if chat else c.get("text")
+            if piece is not None:
+                if not isinstance(piece, str):
+                    raise TypeError(f"answer text of type {type(piece).__name__}")
+                parts.append(piece)
+                saw = True
+            finish = c.get("finish_reason") or finish
+    if not saw:
+        raise ValueError("no answer text (no `text`, or a null `content`)")
+    if reply.events and finish is None:
+        raise ValueError("the stream ended without a finish reason (an answer cut off)")
+    tokens = usage.get("completion_tokens") if usage else None
+    tokens = tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0 else -1
+    return Answer("".join(parts), tokens, "length" if finish == "length" else "stop")
+
+
+def served_entry(url: str, entries: list[dict], target, max_seq_length, named) -> dict:
+    """The /v1/models entry requests go to, checked: its id names the stage's target (the same path,
+    or the same last path part: vLLM serves `/models/QwQ-32B` as that path, a hub id as `org/QwQ-32B`)
+    and its max_model_len, where the server gives one, holds max_seq_length. `named`
+    (--served-model) is taken as it is, when the server serves it."""
+    ids = [e["id"] for e in entries]
+    if named:
+        hit = next((e for e in entries if e["id"] == named), None)
+        if hit is None:
+            raise EngineError(f"server {url} does not serve --served-model {named!r} (it serves "
+                              f"{', '.join(map(repr, ids[:5])) or 'no model it names'})")
+        return {"id": named, "max_model_len": hit.get("max_model_len"), "named": True}
+    if not entries:
+        return {"id": None, "max_model_len": None, "named": False}
+    if target is None:
+        return {"id": ids[0], "max_model_len": entries[0].get("max_model_len"), "named": False}
+    want = str(target).rstrip("/")
+    hit = next((e for e in entries if e["id"].rstrip("/") == want), None) or next(
+        (e for e in entries if e["id"].rstrip("/").rsplit("/", 1)[-1].lower() == want.rsplit("/", 1)[-1].lower()), None)
+    if hit is None:
+        raise EngineError(f"server {url} serves {', '.join(map(repr, ids[:5]))}, not the stage's target {want}: its "
+                          f"answers would not be the target's. Start it on the target, or, if it is the same model "
+                          f"under another name, say so with --served-model {ids[0]!r}")
+    n = hit.get("max_model_len")
+    if isinstance(n, int) and max_seq_length and n < max_seq_length:
+        raise EngineError(f"server {url} serves {hit['id']!r} with max_model_len {n}, below the stage's "
+                          f"max_seq_length {max_seq_length}: longer prompts would be refused. Start it with "
+                          f"--max-model-len {max_seq_length}, or take it as it is with --served-model {hit['id']!r}")
+    return {"id": hit["id"], "max_model_len": n if isinstance(n, int) else None, "named": False}
+
+
+def shown_url(url: str) -> str:
+    """A URL a server named, fit to show: credentials and query dropped, one line, short."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        p = urlsplit(url.strip())
+        host = (p.hostname or "") + (f":{p.port}" if p.port else "")
+        return H.excerpt(urlunsplit((p.scheme, host, p.path, "", "")) if p.scheme else p.path, limit=120)
+    except ValueError:
+        return "(a URL that cannot be read)"
+
+
+def ordered(engine, rows, step: Callable, window: int, stop: Callable[[], bool], tick: Callable[[], None] = lambda: None):
     """Yield rows in source order as each finishes; `step(row)` runs one row to its end on the
     server engine's threads (its turns asked one after another with `ask`). At most `window` rows
-    are in flight: the reorder buffer. When `stop()` turns true, rows already finished in order
-    are still yielded; the rest are abandoned (a rerun makes them)."""
+    are in flight: the reorder buffer. `tick` is called about every TICK_S while waiting. When
+    `stop()` turns true, rows already finished in order are still yielded; the rest are abandoned
+    (a rerun makes them)."""
     from collections import deque
+    from concurrent.futures import wait
 
     inflight: deque = deque()
     it = iter(rows)
@@ -261,10 +408,13 @@ def ordered(engine, rows, step: Callable, window: int, stop: Callable[[], bool])
             inflight.append((row, engine.pool.submit(step, row)))
         if not inflight:
             return
-        if stop() and not inflight[0][1].done():
-            return                                   # the rest is abandoned; rows already done were yielded
+        while not inflight[0][1].done() and not stop():
+            wait([inflight[0][1]], timeout=TICK_S)
+            tick()
+        if not inflight[0][1].done():
+            return                                   # stopped: the rest is abandoned; rows already done were yielded
         row, fut = inflight.popleft()
         fut.result()
         if row.status == "pending":
-            return                                   # abandoned (no server left): a rerun makes it
+            return                                   # abandoned (no server left, a stop): a rerun makes it
         yield row

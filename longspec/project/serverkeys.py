@@ -8,12 +8,14 @@ header when it is unset), or the variable `--api-key-env NAME` names: once for e
 once per `--server` in the same order. A named variable that is unset or empty is refused. A
 server URL with credentials in it (`https://user:pass@host`) is refused, its credentials not shown.
 
-Messages here name variables, never their values. Pure: os and urllib.parse only.
+Messages here name variables, never their values (nor a name that reads like a key). Pure: os, re
+and urllib.parse only.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
@@ -63,8 +65,18 @@ def plan(servers: list[str], key_envs: list[str]) -> list[ServerKey]:
             raise KeyProblem("--api-key-env takes the name of an environment variable, not a key (what was "
                              "given is not shown: it may be one)")
         if k.named and not os.environ.get(k.env):
+            if not looks_like_a_name(k.env):
+                raise KeyProblem(f"--api-key-env: no variable of that name is set, and the name given ({len(k.env)} "
+                                 "characters, not shown) reads like a key, not a variable name: give the name of the "
+                                 "variable that holds the key (VLLM_KEY), never the key")
             raise KeyProblem(f"--api-key-env {k.env}: the variable is not set (export {k.env}=... first)")
     return out
+
+
+def looks_like_a_name(name: str) -> bool:
+    """An environment variable's name as people write them (VLLM_KEY_1, OPENAI_API_KEY): upper
+    case, short; anything else may be a key and is not shown back."""
+    return bool(re.fullmatch(r"[A-Z_][A-Z0-9_]{0,47}", name))
 
 
 def key_of(k: ServerKey) -> str | None:

@@ -12,7 +12,13 @@ of its progress record, of the target digest its manifest holds, and of what bot
                     Its counts (kept, truncated, failed, skipped, untrainable with the first ids)
                     are what `status` notes for a regeneration that ended (`written`).
 
-Pure: no torch (psutil through runs.liveness, hashlib for the digest).
+While it runs, `Progress` prints one line every few seconds and keeps progress.json; `summary_text`
+is its last word.
+
+A run holds the folder's lock (`hold`) from before it reads the folder until it exits: one run per
+folder, --force or not.
+
+Pure: no torch (psutil through runs.liveness, hashlib for the digest, filelock).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +90,29 @@ def write_progress(folder: Path, stage: str, done: int, total: int) -> None:
         "format": PROGRESS_FORMAT, "pid": pid, "proc_start": liveness.proc_start_time(pid),
         "host": socket.gethostname(), "stage": stage, "done": int(done), "total": int(total),
         "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+
+
+def hold(folder: Path):
+    """The folder's run lock (longspec.files.atomic.lock_path; flock, so a run that dies, even by
+    kill -9, frees it): (the held lock, "") for this process to keep until it exits, or (None, who
+    holds it: `process PID (COMMAND)`) when another run writes the folder."""
+    from filelock import FileLock, Timeout
+
+    from longspec.files.atomic import lock_path
+
+    path = lock_path(folder)
+    lock = FileLock(str(path))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        others = [p for p in liveness.file_holders(path) if p != os.getpid()]
+        if not others:
+            return None, "another process (it cannot be named from here)"
+        argv = liveness.cmdline(others[0])
+        command = " ".join(argv)
+        command = command if len(command) <= 160 else command[:157] + "..."
+        return None, f"process {others[0]}" + (f" ({command})" if command else "")
+    return lock, ""
 
 
 def clear_progress(folder: Path) -> None:
@@ -210,3 +240,59 @@ def stage_folder(root: Path, stage: str) -> Path:
 
 def _count(v: Any) -> int:
     return v if isinstance(v, int) and not isinstance(v, bool) else 0
+
+
+# ----------------------------------------------------------------------------- a run's words
+
+class Progress:
+    """One line on stderr every few seconds: rows, rows/s, tokens/s, ETA; and the folder's progress
+    record (longspec.runs.regenstate: what `longspec status` shows while this runs)."""
+
+    def __init__(self, stage: str, start: int, total: int, writer, out: Path, every: float = 2.0):
+        self.stage, self.start, self.total, self.writer, self.every = stage, start, total, writer, every
+        self.out, self.engine = out, None
+        self.t0 = self.last = time.monotonic()
+        self.tokens0 = writer.pending()["completion_tokens"]
+        write_progress(out, stage, start, total)
+
+    def tick(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self.last < self.every:
+            return
+        self.last = now
+        c, done = self.writer.pending(), self.writer.next
+        write_progress(self.out, self.stage, done, self.total)
+        dt = max(now - self.t0, 1e-9)
+        rate, toks = (done - self.start) / dt, (c["completion_tokens"] - self.tokens0) / dt
+        eta = clock((self.total - done) / rate) if rate > 0 else "?"
+        print(f"[{self.stage}] regenerate {done}/{self.total} rows  {rate:.2f} rows/s  {toks:.0f} tokens/s  "
+              f"ETA {eta}  (kept {c['kept']}, truncated {c['truncated']}, failed {c['failed']}, "
+              f"skipped {c['skipped']}, untrainable {c['untrainable']}){self.flight()}", file=sys.stderr, flush=True)
+
+    def flight(self) -> str:
+        n = getattr(self.engine, "inflight", None)
+        return "" if n is None else f"  {n} request{'s' * (n != 1)} in flight"
+
+    def end(self) -> None:
+        self.tick(force=True)
+
+
+def clock(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+def summary_text(r: dict) -> str:
+    head = "stopped" if r.get("stopped_by") else ("done" if r["complete"] else "not finished")
+    text = (f"regenerate {r['stage']}: {head}, {r['done']}/{r['records']} records -> {r['out']}\n"
+            f"  kept {r['kept']}, truncated {r['truncated']}, failed {r['failed']}, skipped {r['skipped']}, "
+            f"untrainable {r['untrainable']}{untrainable_ids(r)}; "
+            f"tokens: prompt {r['prompt_tokens']:,}, new {r['completion_tokens']:,}; "
+            f"{r['rows_per_s']} rows/s, {r['tokens_per_s']} tokens/s")
+    if r.get("stopped_by") == "servers":
+        text += f"\n  {r['message']}:\n  {r['rerun']}"
+    elif r["failed"] and not r.get("stopped_by"):
+        fails = [p for p in r["problems"] if ": failed: " in p][:3]
+        text += (f"\n  {r['failed']} row{'s' if r['failed'] > 1 else ''} failed"
+                 + "".join(f"\n    {p}" for p in fails) + f"\n  the same command asks them again:\n  {r['rerun']}")
+    return text

@@ -50,7 +50,17 @@ adds back (the trainer's tokens); --api chat sends the turns with chat_template_
 A server that wants a key (vLLM --api-key, hosted endpoints) gets `Authorization: Bearer KEY`,
 the key read from OPENAI_API_KEY or the variable --api-key-env names (once for all servers, or once
 per --server in order); never from the command line, and shown in no output, log or manifest. A
-URL with credentials in it is refused. A 401 or 403 stops the run at once (exit 1).
+URL with credentials in it is refused. A 401 or 403 stops the run at once (exit 1). The key goes to
+its server alone: a redirect is not followed (refused, naming where it points), and what a server
+writes back is shown only as a short excerpt, one line, with the key masked.
+
+Servers that misbehave: a server serving another model than the stage's target is refused (exit 1;
+--served-model NAME takes it on purpose, and the manifest records what served the rows); the first
+/v1/models waits at most --server-wait; answers stream, and a request with no byte for
+--idle-timeout seconds is abandoned and tried again; Retry-After is honoured up to 120 s; an answer
+that is empty, longer than its token limit, over its byte bound or not text the tokenizer takes
+fails its row (exit 7, asked again by a rerun). One run per stage: a second is refused (exit 1),
+naming the process that writes the folder, --force or not.
 
 --use refuses a folder with failed or missing rows unless --force. --force starts a folder made
 otherwise (another source, target or setting) over; a folder made the same way is continued.
@@ -71,7 +81,15 @@ def regenerate_cmd(
         "once for all, or once per --server). Never the key itself."),
     concurrency: int = typer.Option(4, "--concurrency", min=1, help="Requests at a time per server."),
     server_wait: int = typer.Option(60, "--server-wait", min=1,
-                                    help="Seconds without any server answering before the run stops (exit 6)."),
+                                    help="Seconds without any server answering before the run stops (exit 6); "
+                                    "also the bound on the first /v1/models."),
+    idle_timeout: int = typer.Option(120, "--idle-timeout", min=1,
+                                     help="Seconds with no byte from a server before a request is abandoned and tried "
+                                     "again (after --retries, the row fails)."),
+    retries: int = typer.Option(5, "--retries", min=0, help="Tries after the first for a request that failed for a "
+                                "while (408, 429, 5xx, no byte for --idle-timeout, an answer cut off)."),
+    served_model: Optional[str] = typer.Option(None, "--served-model", help="The model the servers serve, when it is "
+                                               "not named as the stage's target (the manifest records it)."),
     api: str = typer.Option("completions", "--api",
                             help="completions (the prompt as rendered here) or chat (the turns; the server renders)."),
     batch: int = typer.Option(8, "--batch", min=1, help="Prompts per batch on the local target."),
@@ -92,7 +110,7 @@ def regenerate_cmd(
 
         req = regen.RegenRequest(project_dir, tuple(stages or ()), tuple(server or ()), tuple(api_key_env or ()),
                                  concurrency, server_wait, api, batch, prefix_tokens, max_new_tokens, limit, use, force,
-                                 keep_truncated)
+                                 keep_truncated, idle_timeout, retries, served_model)
         root, results, errors = regen.regenerate(req, None if as_json else
                                                  (lambda name: typer.echo(f"== {name}", err=True)))
         if as_json:

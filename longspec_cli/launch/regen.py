@@ -44,6 +44,9 @@ class RegenRequest:
     use: bool = False
     force: bool = False
     keep_truncated: bool = False
+    idle_timeout: int = 120
+    retries: int = 5
+    served_model: str | None = None
 
 
 def regen_flags(req: RegenRequest) -> list[str]:
@@ -51,7 +54,9 @@ def regen_flags(req: RegenRequest) -> list[str]:
     flags = [a for u in req.servers for a in ("--server", u)]
     flags += [a for n in req.key_envs for a in ("--api-key-env", n)]
     defaults = RegenRequest(req.project_dir)
-    for name, attr in (("--concurrency", "concurrency"), ("--server-wait", "server_wait"), ("--api", "api"),
+    for name, attr in (("--concurrency", "concurrency"), ("--server-wait", "server_wait"),
+                       ("--idle-timeout", "idle_timeout"), ("--retries", "retries"), ("--served-model", "served_model"),
+                       ("--api", "api"),
                        ("--batch", "batch"), ("--prefix-tokens", "prefix_tokens"),
                        ("--max-new-tokens", "max_new_tokens"), ("--limit", "limit")):
         value = getattr(req, attr)

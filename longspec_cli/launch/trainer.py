@@ -174,6 +174,7 @@ def run_module(argv: list[str], *, show_progress: bool = False, timeout: float |
     timer = threading.Timer(timeout, lambda: (expired.set(), proc.kill())) if timeout else None
     if timer:
         timer.start()
+    forward = _forward_sigterm(proc)
     try:
         for line in proc.stderr:
             line = line.rstrip("\n")
@@ -189,7 +190,21 @@ def run_module(argv: list[str], *, show_progress: bool = False, timeout: float |
     finally:
         if timer:
             timer.cancel()
+        forward()
     return ModuleRun(code, last_json("".join(chunks)), list(tail), expired.is_set())
+
+
+def _forward_sigterm(proc):
+    """While the module runs, a SIGTERM to this process goes to it (it stops its own way, writes
+    what it has done and exits; this process then reads its result): no module is left running
+    on its own. Returns the function that puts the previous handler back."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.poll() is None and proc.send_signal(signum))
+    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 def run_trainer_json(argv: list[str], *, show_progress: bool, allow_codes=()) -> dict:

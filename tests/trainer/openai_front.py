@@ -47,8 +47,8 @@ class Front:
                 req = urllib.request.Request(front.upstream + self.path, data=body,
                                              headers={"Content-Type": "application/json"})
                 try:
-                    with urllib.request.urlopen(req, timeout=600) as r:
-                        self._send(r.status, r.read())
+                    with urllib.request.urlopen(req, timeout=600) as r:      # a stream passed on whole
+                        self._send(r.status, r.read(), r.headers.get("Content-Type") or "application/json")
                 except urllib.error.HTTPError as e:
                     self._send(e.code, e.read())
 

@@ -327,8 +327,10 @@ def test_server_engine_gives_the_embedded_rows(server, embedded, work):
 
 
 def test_a_server_that_does_not_answer_is_refused(work):
-    r = regenerate(work, "cot", work / "out-nosrv", "--server", f"http://127.0.0.1:{_free_port()}", code=1)
-    assert "does not answer /v1/models" in r["stderr"] and "Traceback" not in r["stderr"]
+    r = regenerate(work, "cot", work / "out-nosrv", "--server", f"http://127.0.0.1:{_free_port()}", "--server-wait", "2",
+                   code=1)
+    words = " ".join(r["stderr"].split())
+    assert "does not answer /v1/models within 2 s (--server-wait)" in words and "Traceback" not in words
 
 
 def test_a_server_reads_the_prompt_ids_the_trainer_reads_when_the_tokenizer_adds_a_bos(tiny):
@@ -391,7 +393,7 @@ def test_server_engine_retries_timeouts_429_and_5xx_and_fails_a_400(tok, work):
         a = eng.ask(q)
         assert (a.text, a.tokens, a.finish) == ("3 .", 3, "stop") and len(bodies) == 3
         assert bodies[-1] == {"model": "tiny", "prompt": "add 1 and 2 .", "max_tokens": 7, "temperature": 0,
-                              "stop": ["<|im_end|>"]}
+                              "stop": ["<|im_end|>"], "stream": True, "stream_options": {"include_usage": True}}
         with pytest.raises(EngineError, match="HTTP 400.*prompt too long"):
             eng.ask(R.Request([1], "bad", 7, (2,), ()))
         assert len(bodies) == 4                                          # not retried
