@@ -14,14 +14,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_compose_cache_hashes_files_that_exist_and_sees_a_change(tmp_path, monkeypatch):
-    here = Path(composecache.__file__).parent
+    here = Path(composecache.__file__).parents[1]     # longspec/: _CODE's paths are relative to it
     missing = [n for n in composecache._CODE if not (here / n).is_file()]
-    assert not missing, f"composecache._CODE names files that are not beside it: {missing}"
+    assert not missing, f"composecache._CODE names files that are not in longspec/: {missing}"
     monkeypatch.setattr(composecache, "_SALT", [])
     before = composecache._salt()
     for name in composecache._CODE:               # a change in any hashed file changes the salt
         real = Path.read_bytes
-        monkeypatch.setattr(Path, "read_bytes", lambda p, n=name: real(p) + (b"#" if p.name == n else b""))
+        monkeypatch.setattr(Path, "read_bytes", lambda p, n=name: real(p) + (b"#" if p.as_posix().endswith("/" + n) else b""))
         monkeypatch.setattr(composecache, "_SALT", [])
         assert composecache._salt() != before, name
         monkeypatch.setattr(Path, "read_bytes", real)
