@@ -4,7 +4,7 @@ measures, instead of one process per stage.
 The process starts (and imports torch and transformers) once; on the CPU it keeps the stages'
 shared target loaded between them. Between two measurements it waits on its stdin and holds no
 GPU memory (it keeps nothing on a GPU). Each request is the argument list `longspec eval` would
-start the module with; its answer is the same result object (trainerjson's contract: the result,
+start the module with; its answer is the same result object (launch.trainer's contract: the result,
 or the module's own error, or a crash with its last lines).
 """
 
@@ -18,7 +18,7 @@ import time
 from collections import deque
 
 from longspec.errors import INTERRUPTED, LongspecError, RefusedError
-from longspec_cli.launch import trainerjson
+from longspec_cli.launch import trainer
 
 
 class EvalWorker:
@@ -41,7 +41,7 @@ class EvalWorker:
         import os
 
         env = dict(os.environ)
-        root = str(trainerjson.trainer_root())
+        root = str(trainer.trainer_root())
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         env["LONGSPEC_STARTED_AT"] = repr(time.time())      # its `process_start` timing, to the millisecond
         try:
@@ -57,13 +57,13 @@ class EvalWorker:
         for line in proc.stderr:
             line = line.rstrip("\n")
             self.tail.append(line)
-            if self.show_progress and line and not trainerjson._noise(line):
+            if self.show_progress and line and not trainer._noise(line):
                 print(f"  {line}", file=sys.stderr, flush=True)
 
     def measure(self, argv: list[str], *, show_progress: bool, allow_codes=()) -> dict:
-        """The result of `argv` (an eval_command: `python -m longspec.evaluate RUN ...`), measured by
-        the worker; the errors of trainerjson.run_trainer_json."""
-        if not trainerjson.trainer_available():
+        """The result of `argv` (an evaluate_argv: `python -m longspec.evaluate RUN ...`), measured by
+        the worker; the errors of trainer.run_trainer_json."""
+        if not trainer.trainer_available():
             raise RefusedError("`longspec.evaluate` needs the trainer's packages (torch, transformers)",
                                hint="pip install 'longspec[train]'")
         if len(argv) < 3 or argv[1] != "-m":
@@ -78,7 +78,7 @@ class EvalWorker:
             self.proc.stdin.write(json.dumps(args) + "\n")
             self.proc.stdin.flush()
             for line in self.proc.stdout:          # its answer line (a stray line of a library is passed over)
-                answer = trainerjson.last_json(line)
+                answer = trainer.last_json(line)
                 if answer is not None and "exit_code" in answer:
                     break
                 answer = None

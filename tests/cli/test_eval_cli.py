@@ -398,19 +398,19 @@ def test_one_measuring_process_serves_every_stage_as_its_own_process_would(tiny_
     is answered with the module's error and the process goes on serving."""
     from longspec.errors import LongspecError
     from longspec_cli.launch.evalworker import EvalWorker
-    from longspec_cli.launch.trainerjson import run_trainer_json
+    from longspec_cli.launch.trainer import run_trainer_json
 
     root, base = tiny_project
     long, longcot = base.parent / "long", base.parent / "longcot"
     small = ["--num-prompts", "2", "--max-new-tokens", "8", "--method", "chain", "--method", "tree", "--no-write"]
-    argv = {"base": eval_command(base, "base") + small,
-            "long": eval_command(long, "long", baseline_draft=base / "draft_model_weights.pth",
+    argv = {"base": evaluate_argv(base, "base") + small,
+            "long": evaluate_argv(long, "long", baseline_draft=base / "draft_model_weights.pth",
                                  baseline_stage="base") + small}
     with EvalWorker() as worker:
         served = {"base": worker.measure(argv["base"], show_progress=False)}
         pid = worker.proc.pid
         with pytest.raises(LongspecError) as refused:                  # longcot is not trained
-            worker.measure(eval_command(longcot, "longcot") + small, show_progress=False)
+            worker.measure(evaluate_argv(longcot, "longcot") + small, show_progress=False)
         served["long"] = worker.measure(argv["long"], show_progress=False)
         assert worker.proc.pid == pid                                  # the same process throughout
     assert refused.value.exit_code == 2 and "no such run folder" in refused.value.message
