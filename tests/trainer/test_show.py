@@ -74,4 +74,4 @@ def test_the_end_of_turn_check_wants_the_templates_closing_token_not_the_newline
     chk = first_records_check(cot, tok, "long_cot", 128)
     (warning,) = prepared_warnings(PreparedState("ready", extra={"chat_check": chk}))
     assert warning.startswith("1 of the first 3 records are chats whose end-of-turn token <|im_end|> is not "
-                              "trained after their last answer (first: record at line 3)")
+                              "trained after their last answer (first: line 3)")
