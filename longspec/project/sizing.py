@@ -129,7 +129,12 @@ def _recipe_gpu_fit(stages: dict[str, dict], size: ModelSize | None, m: Machine,
 def _shape(size: ModelSize, sd: dict, seq: int, micro: int, world: int, precision: str) -> StageShape:
     zero = 3 if "zero3" in str(sd.get("deepspeed", "")) else 1
     return StageShape(size=size, precision=precision, zero_stage=zero, seq_len=seq, micro_batch=micro,
-                      world_size=world, grad_accumulation=int(sd.get("gradient_accumulation_steps", 1)))
+                      world_size=world, grad_accumulation=int(sd.get("gradient_accumulation_steps", 1)),
+                      sequence_parallel=_sp(sd))
+
+
+def _sp(sd: dict) -> int:
+    return int(sd.get("sequence_parallel_size") or 1)
 
 
 def size_stages(stages: dict[str, dict], size: ModelSize | None, m: Machine, *, precision: str = "bf16",
@@ -163,6 +168,10 @@ def _gpu(stages, size, m: Machine, precision: str, nodes: int, cap: float) -> Si
     world = m.gpus * nodes
     for name, sd in stages.items():
         seq, micro = int(sd["max_seq_length"]), int(sd["per_gpu_train_batch_size"])
+        if _sp(sd) > 1:                                   # a sequence-parallel stage: its own plan
+            out.notes.append(f"{name}: the recipe's (sequence parallel {_sp(sd)}): `longspec run --dry-run` "
+                             "checks its memory")
+            continue
         glob = micro * int(sd["gradient_accumulation_steps"]) * 8          # the recipe's global batch
         peak = lambda s, b: estimate(_shape(size, sd, s, b, world, precision)).peak  # noqa: E731
         while peak(seq, micro) > cap and micro > 1:
