@@ -11,7 +11,8 @@ before them, so its default prompts come from these never-drawn records first.
 
 When: at step 0, at the last step, and every `eval_steps` optimizer steps at the closest, spaced
 further so that tau stays within `eval_share` of the stage's time (default 5%): each evaluation's
-walk is timed, and a regular one is skipped until the steps since the last one took long enough
+walk is timed (not the first, when it also ran the target over the held-out rows that the later
+walks reuse), and a regular one is skipped until the steps since the last one took long enough
 for it (every rank decides alike: the largest need over the ranks). `eval_share: 0` evaluates
 every `eval_steps`, as set. The start line says which; each simtau record carries `every` and
 the `share` so far.
@@ -116,7 +117,7 @@ class SimTau:
         self.gap = self.every                        # steps between evaluations now (a multiple of eval_steps)
         self.last_step: int | None = None            # the last evaluation's step, and when it ended
         self.last_end = 0.0
-        self.walk_s = 0.0                            # the last evaluation's walk (what spaces the next ones)
+        self.walk_s: float | None = None             # the last evaluation's walk (what spaces the next ones)
         self.spent = 0.0                             # every evaluation's seconds, continuations included
         self.began: float | None = None
         self.out, self.rank, self.world, self.resumed = out, rank, world, resumed
@@ -290,7 +291,7 @@ class SimTau:
     def _spaced(self, session, step: int) -> bool:
         """Whether a regular evaluation at ``step`` keeps tau within its share: the last one's walk
         against the steps' pace since it ended. Collective (every rank decides alike)."""
-        if self.share <= 0 or self.last_step is None:
+        if self.share <= 0 or self.last_step is None or self.walk_s is None:
             return True
         import torch
 
@@ -330,7 +331,7 @@ class SimTau:
                 self._prepare(session)
                 if not self.enabled:
                     return False
-            t1 = time.time()
+            t1, fills = time.time(), not self.frozen
             counts = chainwalk.chain_counts(self._parts(session), self.prompts, self.conts, self.lengths,
                                             self.gamma, session.engine.device, self.rank, self.world, self.batch,
                                             self.frozen)
@@ -348,7 +349,10 @@ class SimTau:
             self._save_best(session, step, tau, fig)
         record["best"] = best
         now = time.time()
-        self.walk_s, self.spent, self.last_step, self.last_end = now - t1, self.spent + now - t0, step, now
+        self.spent, self.last_step, self.last_end = self.spent + now - t0, step, now
+        # a walk that also ran the target over the held-out rows (kept for the later ones) does not
+        # say what the next ones cost: the next regular evaluation is timed instead
+        self.walk_s = None if fills and self.frozen.get("keep") else now - t1
         share = self.spent / max(now - self.began, 1e-9)
         if self.rank == 0:
             # the first evaluation builds the prompts and makes (or reads back) the continuations
