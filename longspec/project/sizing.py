@@ -32,7 +32,8 @@ MIB_BYTES = 1024 ** 2
 CPU_STAGE_S = 3600          # a CPU-sized stage's time budget (seconds)
 CPU_MAX_PARAMS = 2.0e9      # a larger target is not trained on a CPU: its recipe is written for GPUs
 CPU_EFFICIENCY = 0.5        # share of the measured matmul rate a training step reaches (rough: a 135M
-                            # Llama's torch forward ran at 0.6x numpy's fastest 512 product on 2 cores)
+                            # Llama's torch forward ran at 25 GFLOP/s beside 12-50 GFLOP/s of numpy's
+                            # 512 products on the same 2 shared cores)
 MARGIN = 0.90               # share of a GPU's memory the estimate may fill
 MIN_SEQ = 2048              # the long stages are not shortened below this on GPUs
 # Per stage on a CPU: (max_seq_length, per-device batch, accumulation, learning rate).
@@ -90,21 +91,20 @@ def machine(env: dict[str, str] | None = None, declared_gpus: int | None = None)
 
 
 def matmul_gflops(n: int = 512, seconds: float = 0.3) -> float | None:
-    """This CPU's float32 matrix-multiply rate (GFLOP/s): the fastest of the products timed within
-    about `seconds` (a machine shared with other work shows its own rate in its best moments);
-    None without numpy."""
+    """This CPU's float32 matrix-multiply rate (GFLOP/s): the products done within about `seconds`
+    over the time they took (on a machine shared with other work, what it gets now; the fastest
+    single product overstates a busy machine tenfold); None without numpy."""
     try:
         import numpy as np
     except ImportError:
         return None
     a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
     a @ a                                                 # warm up the BLAS threads
-    best, t0 = float("inf"), time.perf_counter()
+    done, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        t = time.perf_counter()
         a @ a
-        best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best / 1e9
+        done += 1
+    return 2 * n ** 3 * done / (time.perf_counter() - t0) / 1e9
 
 
 def flops_per_token(size: ModelSize, seq: int) -> float:
