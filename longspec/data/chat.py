@@ -152,6 +152,18 @@ def _as_context(head: str, earlier: list[int], out: ChatSplit) -> list[tuple[str
     return [(head, "prompt")]
 
 
+def end_of_turn_tokens(tokenizer) -> tuple[int, ...]:
+    """The token ids that close a rendered assistant turn under the tokenizer's template (its end
+    of turn less whitespace: `<|im_end|>` of `<|im_end|>\\n`, Llama 3's `<|eot_id|>`, Mistral's
+    `</s>`); the EOS when the template gives none. What `validate` requires trained."""
+    try:
+        after = end_of_turn(tokenizer, [{"role": "user", "content": "hi"}])
+    except ChatError:
+        return () if tokenizer.eos_token_id is None else (int(tokenizer.eos_token_id),)
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"]
+    return tuple(int(i) for i in ids if tokenizer.decode([i]).strip())
+
+
 def end_of_turn_ids(tokenizer) -> tuple[int, ...]:
     """The EOS and the special token the chat template closes an assistant turn with (a server's
     stop tokens); the EOS alone for a tokenizer without a template."""

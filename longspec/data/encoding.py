@@ -7,10 +7,13 @@ token is trained and -100 where it is not (unshifted, Hugging Face style: the lo
 The collators (the `data.collator` key: short_text, long_data, long_cot) live in
 longspec.data.collators; what a chat record trains (answers and their end of turn, never system,
 user or header text) in longspec.data.chat. Plain stage-1 documents end with the tokenizer's EOS
-(upstream's `text + eos_token`); stage-2 code/book documents get none, as upstream. Labels also
-drop the pad token, as the reference trainer does (`labels == pad_token_id -> -100`): end-of-turn
-tokens such as `<|im_end|>` are trained, and a tokenizer whose EOS is its pad (Qwen's
-`<|endoftext|>`) leaves the document end untrained.
+(upstream's `text + eos_token`); stage-2 code/book documents get none, as upstream.
+
+What is trained is decided by position, never by token id: a piece's kind says whether its tokens
+are trained, and padding (added by `collate`, past each sample's end) never is. The reference
+trainer drops every label equal to the pad id instead; with a pad that is also a real token
+(pad = EOS, pad = the end of turn `<|im_end|>`, no pad at all so that the EOS pads) that left the
+answers' end of turn or the documents' end untrained. Here they are trained whatever the pad.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from longspec.data.records import BAD_RECORD_MODES, DataError, read_records, whe
 IGNORE = -100
 # Bump whenever the tokens or labels a collator produces change: prepared caches made by an
 # older rule are then rebuilt (it is part of their key).
-COLLATOR_VERSION = 4  # 4: a document's optional untrained `context` (longspec.data.collators)
+COLLATOR_VERSION = 5  # 5: labels by position (a real token equal to the pad id is trained)
 COLLATORS = ("short_text", "long_data", "long_cot")
 _KEEP_PROBLEMS = 20  # skipped-record messages kept for the log
 
@@ -49,13 +52,6 @@ def load_tokenizer(path) -> Any:
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
-
-
-def label_pad_id(tokenizer) -> int | None:
-    """The one token id labels never train: the tokenizer's pad, or its EOS when it has none
-    (the trainer pads with EOS then, as the reference configs set pad = eos)."""
-    pad = tokenizer.pad_token_id
-    return tokenizer.eos_token_id if pad is None else pad
 
 
 def _encode_plan(rec: dict, tokenizer, collator: str):
@@ -77,8 +73,7 @@ def encode_full(rec: dict, tokenizer, collator: str, max_seq_length: int,
     """encode_record plus the length before the prompt cap and truncation."""
     pieces, add_eos, special = _encode_plan(rec, tokenizer, collator)
     toks = [tokenizer(text, add_special_tokens=sp)["input_ids"] for (text, _), sp in zip(pieces, special)]
-    return assemble(pieces, toks, add_eos, tokenizer.eos_token_id, label_pad_id(tokenizer),
-                    max_seq_length, kinds)
+    return assemble(pieces, toks, add_eos, tokenizer.eos_token_id, max_seq_length, kinds)
 
 
 def untrainable(rec: dict, tokenizer, collator: str, max_seq_length: int) -> str | None:
@@ -110,7 +105,7 @@ def encode_records(recs: list[dict], tokenizer, collator: str,
         rendered.append((pieces, add_eos, slots))
     encoded = {special: tokenizer(batch, add_special_tokens=special)["input_ids"] if batch else []
                for special, batch in texts.items()}
-    eos, pad = tokenizer.eos_token_id, label_pad_id(tokenizer)
+    eos = tokenizer.eos_token_id
     out: list = []
     for item in rendered:
         if isinstance(item, RecordError):
@@ -118,17 +113,19 @@ def encode_records(recs: list[dict], tokenizer, collator: str,
             continue
         pieces, add_eos, slots = item
         try:
-            out.append(assemble(pieces, [encoded[s][j] for s, j in slots], add_eos, eos, pad, max_seq_length))
+            out.append(assemble(pieces, [encoded[s][j] for s, j in slots], add_eos, eos, max_seq_length))
         except RecordError as e:
             out.append(e)
     return out
 
 
-def assemble(pieces, toks: list[list[int]], add_eos: bool, eos: int | None, pad: int | None,
+def assemble(pieces, toks: list[list[int]], add_eos: bool, eos: int | None,
              max_seq_length: int, kinds: list[str] | None = None) -> tuple[list[int], list[bool], int]:
-    """The one label rule: pieces' tokens in order, prompt pieces capped, EOS appended where the
-    collator asks (a document boundary, as the reference adds), "prompt" pieces and the pad token
-    untrained, truncated. Returns (ids, trained, length before the prompt cap and truncation)."""
+    """The one label rule, by position: pieces' tokens in order, prompt pieces capped, EOS appended
+    where the collator asks (a document boundary, as the reference adds), "prompt" pieces untrained
+    and every other token trained (whatever its id: the pad id too), truncated. Untrainable when no
+    token after the first is trained (the loss shifts: the first token is never predicted).
+    Returns (ids, trained, length before the prompt cap and truncation)."""
     ids: list[int] = []
     trained: list[bool] = []
     kind_of: list[str] = []
@@ -145,12 +142,10 @@ def assemble(pieces, toks: list[list[int]], add_eos: bool, eos: int | None, pad:
         trained.append(True)
         kind_of.append("text")
         full += 1
-    if pad is not None:
-        trained = [t and tok != pad for tok, t in zip(ids, trained)]
     ids, trained = ids[:max_seq_length], trained[:max_seq_length]
     if kinds is not None:
         kinds[:] = kind_of[:max_seq_length]
-    if not any(trained):
+    if not any(trained[1:]):
         raise Untrainable(f"no trained tokens within max_seq_length={max_seq_length}")
     return ids, trained, full
 
@@ -227,7 +222,8 @@ def build_dataset(path, tokenizer, collator: str, max_seq_length: int,
 # --------------------------------------------------------------------------- batching
 
 def collate(batch: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest sample: input_ids, labels (-100 on pad), attention_mask (B, T)."""
+    """Right-pad to the longest sample: input_ids, labels (-100 on padding: by position, whatever
+    the pad id), attention_mask (B, T)."""
     width = max(len(s["input_ids"]) for s in batch)
     input_ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)  # (B, T)
     labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)  # (B, T)

@@ -416,9 +416,13 @@ def prepared_warnings(state: PreparedState) -> list[str]:
         return []
     out, n = [], chk.get("records", 0)
     if chk.get("no_end_of_turn"):
+        token = f" {chk['end_of_turn']}" if chk.get("end_of_turn") else ""
+        at = chk.get("first_no_end_of_turn")
+        first = "" if at is None else f" (first: {'line ' if isinstance(at, int) else ''}{at})"
         out.append(f"{chk['no_end_of_turn']} of the first {n} records are chats whose end-of-turn "
-                   "token is not trained (cut by max_seq_length): the draft does not learn where an "
-                   "answer ends; `longspec prepare DIR STAGE --show 3` shows them")
+                   f"token{token} is not trained after their last answer{first}; most often cut by "
+                   "max_seq_length: the draft does not learn where an answer ends; "
+                   "`longspec prepare DIR STAGE --show 3` shows them")
     if chk.get("system_trained"):
         out.append(f"{chk['system_trained']} of the first {n} records train a system turn's chat markup "
                    "(chat text in a plain document?); `longspec prepare DIR STAGE --show 3` shows them")

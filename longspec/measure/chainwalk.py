@@ -314,14 +314,42 @@ def figures(counts, lengths: list[int], prompts: list, gamma: int) -> dict:
 
 # ----------------------------------------------------------------------------- the run folder's file
 
-def write(path: Path, digest: str, gamma: int, prompts: list, conts: dict[int, Continuation], seconds: float) -> None:
+def prompt_key(p) -> str:
+    """sha256 of what one prompt's continuation depends on besides the target: its tokens, its
+    new-token limit and its stop tokens."""
+    return hashlib.sha256(json.dumps([p.ids, p.max_new, list(p.stops)]).encode()).hexdigest()
+
+
+def write(path: Path, digest: str, gamma: int, prompts: list, conts: dict[int, Continuation], seconds: float,
+          target_digest: str | None = None) -> None:
+    """continuations.json; with `target_digest` (continuation_digest of the target alone) and each
+    prompt's key, so that a later run with other prompts reuses those it shares (read_reusable)."""
     from longspec.files.atomic import atomic_write_json
 
     atomic_write_json(path, {
-        "version": VERSION, "digest": digest, "gamma": gamma, "seconds": round(seconds, 3),
+        "version": VERSION, "digest": digest, "target": target_digest, "gamma": gamma, "seconds": round(seconds, 3),
         "prompts": [{"record": p.record, "kind": p.kind, "bucket": p.bucket, "prompt_tokens": len(p.ids),
-                     "max_new": p.max_new, "end": conts[i].end, "tokens": conts[i].tokens}
+                     "max_new": p.max_new, "end": conts[i].end, "key": prompt_key(p), "tokens": conts[i].tokens}
                     for i, p in enumerate(prompts)]})
+
+
+def read_reusable(path: Path, target_digest: str, prompts: list, gamma: int) -> dict[int, list[int]]:
+    """{prompt index: tokens} of the prompts whose continuation ``path`` already holds: made by the
+    same target (`target_digest`) for a prompt with the same key, long enough for ``gamma``."""
+    from longspec.runs import runfolder
+
+    data, _ = runfolder.read_json(path)
+    if not isinstance(data, dict) or data.get("version") != VERSION or data.get("target") != target_digest \
+            or not isinstance(data.get("prompts"), list):
+        return {}
+    have = {rec["key"]: rec["tokens"] for rec in data["prompts"]
+            if isinstance(rec, dict) and isinstance(rec.get("key"), str) and isinstance(rec.get("tokens"), list)}
+    out = {}
+    for i, p in enumerate(prompts):
+        toks = have.get(prompt_key(p))
+        if toks is not None and len(toks) >= p.max_new + gamma:
+            out[i] = toks[:p.max_new + gamma]
+    return out
 
 
 def read(path: Path, digest: str, prompts: list, gamma: int) -> dict[int, Continuation] | None:

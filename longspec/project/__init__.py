@@ -3,6 +3,8 @@
 
     manifest.py        longspec.yaml: Manifest / StageSpec dataclasses, load, find
     presets.py         target presets (qwq-32b-preview, qwen3-8b, ..., tiny) and the templates folder
+    sizing.py          stages sized to the target and the machine (init): the recipe, fitted GPU
+                       batches, or short CPU stages with their cost
     targets.py         supported target families and the one refusal sentence; a target folder's
                        config.json / tokenizer files read as JSON
     placeholders.py    `[Your Directory]`, `<path>`, ... found as text before parsing
@@ -17,6 +19,7 @@
     serverkeys.py      which variable each regeneration server's key is read from; never a value
     validate.py        validate_paths() -> Report; its checks are checks/
 
-Imports files/, formats/, runs/ (a stage's prepared and regenerated state) and `longspec.errors`.
+Imports files/, formats/, runs/ (a stage's prepared and regenerated state), machine/ (sizing:
+GPUs and the memory estimate) and `longspec.errors`.
 (A docstring only: nothing loads through the package.)
 """

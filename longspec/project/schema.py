@@ -174,6 +174,7 @@ LONGSPEC_SPEC: dict[str, Spec] = {
     "save_total_limit": _int(0, nullable=True),
     "eval_steps": _int(0),
     "eval_tokens": _int(0),
+    "eval_share": _float(0, 1, hi_open=True),
     "eval_gamma": _int(1, 16),
     "logging_steps": _pos_int(),
     "seed": _int(0),

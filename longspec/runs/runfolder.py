@@ -40,7 +40,8 @@ _CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 # Overrides that say where or how to run, or what to measure, not what to train: left out of the
 # fingerprint (so a resume accepts them). eval_tokens is not one: it sets the held-out records.
-ORIGIN_ONLY_KEYS = frozenset({"exp", "output_dir", "force", "resume_schedule", "eval_steps", "eval_gamma"})
+ORIGIN_ONLY_KEYS = frozenset({"exp", "output_dir", "force", "resume_schedule", "eval_steps", "eval_share",
+                              "eval_gamma"})
 
 
 def config_overrides(overrides: Iterable[str]) -> list[str]:

@@ -157,6 +157,7 @@ class Session:
         print0(f"[{conf['stage']}] kernels ({conf['kernels']}): attention {self.backends['attention']} "
                f"(target {self.backends['target_attention']}), loss {self.backends['linear_cross_entropy']}, "
                f"tf32 {self.backends['tf32']}")
+        print0(f"[{conf['stage']}] {self.simtau.plan_text()}")
 
     def _loader(self, epoch: int, skip: int):
         from longspec.data import encoding

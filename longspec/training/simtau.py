@@ -9,7 +9,15 @@ set: heldout.json in the run folder records it (range, token counts, sha256 of t
 resume that would hold out other tokens is refused. `eval` replays the sampler over the records
 before them, so its default prompts come from these never-drawn records first.
 
-The figure, every `eval_steps` optimizer steps (and at step 0 and the last step): the prompts of
+When: at step 0, at the last step, and every `eval_steps` optimizer steps at the closest, spaced
+further so that tau stays within `eval_share` of the stage's time (default 5%): each evaluation's
+walk is timed (not the first, when it also ran the target over the held-out rows that the later
+walks reuse), and a regular one is skipped until the steps since the last one took long enough
+for it (every rank decides alike: the largest need over the ranks). `eval_share: 0` evaluates
+every `eval_steps`, as set. The start line says which; each simtau record carries `every` and
+the `share` so far.
+
+The figure: the prompts of
 `eval`'s default measurement for the run's step count (longspec.measure.prompts.default_prompts, read
 from the training_config.yaml eval reads), the target's greedy continuation of each (made once per
 run, kept in continuations.json), and the block walk of greedy chain decoding over the draft's
@@ -105,6 +113,13 @@ class SimTau:
 
     def __init__(self, conf: dict, dataset, out, rank: int, world: int, resumed: bool):
         self.every, self.gamma = int(conf["eval_steps"]), int(conf["eval_gamma"])
+        self.share = float(conf.get("eval_share") or 0.0)   # tau's most share of the stage's time; 0: every eval_steps
+        self.gap = self.every                        # steps between evaluations now (a multiple of eval_steps)
+        self.last_step: int | None = None            # the last evaluation's step, and when it ended
+        self.last_end = 0.0
+        self.walk_s: float | None = None             # the last evaluation's walk (what spaces the next ones)
+        self.spent = 0.0                             # every evaluation's seconds, continuations included
+        self.began: float | None = None
         self.out, self.rank, self.world, self.resumed = out, rank, world, resumed
         self.batch = int(conf["per_gpu_train_batch_size"])
         self.heldout = choose_heldout(dataset.offsets, dataset.tokens, int(conf["eval_tokens"])) \
@@ -126,6 +141,7 @@ class SimTau:
         self.conts: dict = {}
         self.frozen: dict = {}                       # the target's outputs of the held-out rows (chainwalk.chain_counts)
         self.continuations_s: float | None = None    # generating them, in this process (None: reused or not yet)
+        self.reused = 0                              # continuations read back (whole file, or the prompts shared)
         self.redo = False                            # a dropped best: measure the resumed draft at once
         self.target_copy = None                      # a whole copy of the frozen target until the first evaluation
         self.copy_draft = False                      # evaluate a whole copy of the draft (ZeRO-3, when it fits)
@@ -191,8 +207,11 @@ class SimTau:
         return comm.broadcast_object(got[0], src=0)
 
     def _prepare(self, session) -> None:
-        """eval's default prompts for this run, and the target's greedy continuations (read back
-        when continuations.json was made from the same digest, else made now, once). Under ZeRO-3,
+        """eval's default prompts for this run, and the target's greedy continuations: read back
+        when continuations.json holds them (the same prompts, or, prompt by prompt, those a run
+        before made with the same target, tokens, new-token limit and stops: another max_steps
+        changes which records were drawn, not a shared prompt's continuation), the rest made now,
+        once. Under ZeRO-3,
         whole copies of the frozen target (for the continuations and the first evaluation) and of
         the draft (each evaluation) are used when they fit (longspec.model.zero.whole_copy)."""
         import torch
@@ -212,16 +231,25 @@ class SimTau:
         module, device = session.engine.module, session.engine.device
         path = self.out.dir / runfolder.CONTINUATIONS
         digest = chainwalk.continuation_digest(Path(target), self.prompts)
-        conts = chainwalk.read(path, digest, self.prompts, self.gamma)
+        target_digest = chainwalk.continuation_digest(Path(target), [])
+        reused: dict = {}
+        if self.rank == 0:                                # the same prompts, or those a run before shared
+            conts = chainwalk.read(path, digest, self.prompts, self.gamma)
+            reused = {i: c.tokens for i, c in conts.items()} if conts is not None else \
+                chainwalk.read_reusable(path, target_digest, self.prompts, self.gamma)
+        reused = comm.broadcast_object(reused, src=0)
+        missing = [i for i in range(len(self.prompts)) if i not in reused]
         hf = module.target.model
-        shell = meta_shell(lambda: type(hf)(hf.config)) if conts is None and partitioned(hf) else None
-        flags = torch.tensor([0 if conts is None else 1,
+        shell = meta_shell(lambda: type(hf)(hf.config)) if missing and partitioned(hf) else None
+        flags = torch.tensor([0 if missing else 1,
                               int(shell is not None and fits_whole([module.target, module.draft], device)),
                               int(partitioned(module.draft) and fits_whole([module.draft], device))])
         flags = comm.all_reduce(flags, op="min")          # every rank alike
         have, copy_target, self.copy_draft = (bool(f) for f in flags.tolist())
+        self.reused = len(reused)
         if have:
-            self.conts = conts
+            self.conts = {i: chainwalk.Continuation(t, chainwalk.stop_end(t, p.max_new, p.stops))
+                          for i, (p, t) in enumerate(zip(self.prompts, (reused[i] for i in range(len(self.prompts)))))}
             return
         t0 = time.time()
         if copy_target:
@@ -230,14 +258,14 @@ class SimTau:
 
             self.target_copy = TargetWrapper(whole_copy(hf, shell, device))
             hf = self.target_copy.model
-        mine = chainwalk.generate(hf, self.prompts, self.gamma, device, self.rank, self.world)
+        mine = chainwalk.generate(hf, [self.prompts[i] for i in missing], self.gamma, device, self.rank, self.world)
         shares = comm.all_gather_object(mine)
-        toks = {i: t for share in shares for i, t in share.items()}
+        toks = {**reused, **{missing[j]: t for share in shares for j, t in share.items()}}
         self.conts = {i: chainwalk.Continuation(toks[i], chainwalk.stop_end(toks[i], p.max_new, p.stops))
                       for i, p in enumerate(self.prompts)}
         self.continuations_s = time.time() - t0
         if self.rank == 0:
-            chainwalk.write(path, digest, self.gamma, self.prompts, self.conts, self.continuations_s)
+            chainwalk.write(path, digest, self.gamma, self.prompts, self.conts, self.continuations_s, target_digest)
 
     def _parts(self, session) -> SimpleNamespace:
         """The target and draft one evaluation runs: the whole copies where _prepare chose them."""
@@ -251,10 +279,46 @@ class SimTau:
             draft = whole_copy(draft, meta_shell(lambda: type(draft)(draft.config)), session.engine.device)
         return SimpleNamespace(target=target, draft=draft)
 
+    def plan_text(self) -> str:
+        """The start line's words on tau while training."""
+        if not self.enabled:
+            return "tau while training: off" + (" (eval_steps 0)" if self.every <= 0 else " (no held-out records)")
+        if self.share <= 0:
+            return f"tau while training: every {self.every} steps (eval_share 0: as set)"
+        return (f"tau while training: every {self.every} steps at the closest, spaced after the first evaluation so "
+                f"that it stays within {self.share:.0%} of the stage's time (eval_share; 0 = every eval_steps)")
+
+    def _spaced(self, session, step: int) -> bool:
+        """Whether a regular evaluation at ``step`` keeps tau within its share: the last one's walk
+        against the steps' pace since it ended. Collective (every rank decides alike)."""
+        if self.share <= 0 or self.last_step is None or self.walk_s is None:
+            return True
+        import torch
+
+        from longspec.model import comm
+
+        since = step - self.last_step
+        step_s = (time.time() - self.last_end) / max(since, 1)
+        need = math.ceil(self.walk_s * (1 - self.share) / (self.share * max(step_s, 1e-9)))
+        need = int(comm.all_reduce(torch.tensor([need], dtype=torch.int64), op="max").item())
+        gap = max(self.every, math.ceil(need / self.every) * self.every)
+        if gap != self.gap and self.rank == 0:
+            from longspec.training.rank import print0
+
+            print0(f"[{session.conf['stage']}] tau every {gap} steps from here: an evaluation walks "
+                   f"{self.walk_s:.1f} s, a step takes {step_s:.2f} s (eval_share {self.share:.0%})")
+        self.gap = gap
+        return since >= gap
+
     def maybe(self, session, force: bool = False) -> bool:
         """Evaluate when the step is due (every rank calls it at the same steps). True when it ran."""
         step = session.step
-        if not self.enabled or not (force or step % self.every == 0 or step == session.total):
+        if not self.enabled:
+            return False
+        if self.began is None:
+            self.began = time.time()
+        due = force or step == session.total or (step % self.every == 0 and self._spaced(session, step))
+        if not due:
             return False
         self.redo = False
         from longspec.measure import chainwalk
@@ -267,7 +331,7 @@ class SimTau:
                 self._prepare(session)
                 if not self.enabled:
                     return False
-            t1 = time.time()
+            t1, fills = time.time(), not self.frozen
             counts = chainwalk.chain_counts(self._parts(session), self.prompts, self.conts, self.lengths,
                                             self.gamma, session.engine.device, self.rank, self.world, self.batch,
                                             self.frozen)
@@ -284,16 +348,26 @@ class SimTau:
             self.best_tau = tau
             self._save_best(session, step, tau, fig)
         record["best"] = best
+        now = time.time()
+        self.spent, self.last_step, self.last_end = self.spent + now - t0, step, now
+        # a walk that also ran the target over the held-out rows (kept for the later ones) does not
+        # say what the next ones cost: the next regular evaluation is timed instead
+        self.walk_s = None if fills and self.frozen.get("keep") else now - t1
+        share = self.spent / max(now - self.began, 1e-9)
         if self.rank == 0:
             # the first evaluation builds the prompts and makes (or reads back) the continuations
-            extra = {"continuations_s": round(t1 - t0, 3), "continuations_made": self.continuations_s is not None} \
-                if first else {}
-            self.out.record({**record, **extra, "eval_s": round(time.time() - t1, 3)})
+            extra = {"continuations_s": round(t1 - t0, 3), "continuations_made": self.continuations_s is not None,
+                     "continuations_reused": self.reused} if first else {}
+            self.out.record({**record, **extra, "eval_s": round(now - t1, 3), "every": self.gap,
+                             "share": round(share, 4)})
             from longspec.training.rank import print0
 
             print0(f"[{session.conf['stage']}] step {step}: tau {tau:.3f} (eval's chain, {len(self.prompts)} prompts; "
                    + ", ".join(f"{b['length']}: {b['tau']:.2f}" for b in fig["by_length"]) + "; accepted at position "
                    + " ".join(f"{a:.2f}" for a in fig["alpha"]) + ")" + (", best so far: best/" if best else ""))
+            if step == session.total:
+                print0(f"[{session.conf['stage']}] tau while training took {self.spent:.1f} s of the stage's "
+                       f"{now - self.began:.1f} s so far ({share:.1%})")
         return True
 
     def _save_best(self, session, step: int, tau: float, fig: dict) -> None:

@@ -25,6 +25,12 @@ A local --target folder is read (config.json, tokenizer files; nothing is loaded
 (qwen2, llama, qwen3, mistral), position limit (stage lengths are capped to it), precision
 (torch_dtype) and chat template fill the stage files.
 
+Stages are sized to the target and this machine: the recipe's sizes (LongSpec's, a 32B target on
+8 GPUs) where the GPUs here fit them by the memory estimate, fitted batches and lengths where they
+do not, and short CPU stages (about an hour each, from a measured matrix-multiply rate) for a
+small target on a machine without a GPU. init prints what it chose, why, and the rough cost;
+--full-size writes the recipe's sizes anyway, --gpus N sizes for N GPUs.
+
 Nothing is overwritten without --force. With no flags on a terminal, a full-screen form asks."""
 
 
@@ -40,6 +46,7 @@ def init(
     nodes: int = typer.Option(1, "--nodes", help="Number of nodes."),
     hostfile: Optional[str] = typer.Option(None, "--hostfile", help="DeepSpeed hostfile for several nodes."),
     precision: Optional[str] = typer.Option(None, "--precision", help="bf16, fp16 or fp32 (default: the target's torch_dtype, else the preset's)."),
+    full_size: bool = typer.Option(False, "--full-size", help="Write the recipe's stage sizes (LongSpec's, for 8 GPUs) whatever this machine and target."),
     no_input: bool = typer.Option(False, "--no-input", help="Never ask; missing answers become '???' for validate to flag."),
     force: bool = typer.Option(False, "--force", help="Overwrite existing files."),
     dry_run: bool = typer.Option(False, "--dry-run", help="List the files that would be written; write nothing."),
@@ -72,6 +79,7 @@ def init(
                 nodes=nodes,
                 hostfile=hostfile,
                 precision=precision,
+                full_size=full_size,
             )
             if interactive:
                 _ask_missing(answers)

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from longspec.machine.memory import ModelSize
 from longspec.project import presets as P
+from longspec.project import sizing
 from longspec.project import targets
 from longspec.files.atomic import atomic_write_text
 from longspec_cli.launch.traincmd import deepspeed_line
@@ -39,6 +41,8 @@ class InitAnswers:
     hostfile: str | None = None
     precision: str | None = None
     name: str | None = None
+    full_size: bool = False          # the recipe's sizes whatever the machine (--full-size)
+    machine: Any = None              # longspec.project.sizing.Machine; None: this machine, detected
 
 
 def yaml_scalar(value: Any) -> str:
@@ -158,6 +162,26 @@ def _resolve_answers(a: InitAnswers) -> tuple[P.Preset | None, str, str, int, ta
     return preset, target, precision, gpus, info
 
 
+def _sizing(a: InitAnswers, preset: P.Preset | None, info: targets.TargetInfo | None, precision: str,
+            context: int) -> sizing.Sizing | None:
+    """How the stages are sized to the target and the machine (longspec.project.sizing); None for
+    a preset built here (tiny), whose stages are already its own."""
+    if preset is not None and preset.local:
+        return None
+    size = None
+    try:
+        if info is not None:
+            size = ModelSize.from_config_json(info.path / "config.json")
+        elif preset is not None and preset.size:
+            size = ModelSize.from_mapping({**preset.size, "family": preset.family})
+    except (ValueError, OSError, TypeError):
+        size = None
+    m = a.machine if a.machine is not None else sizing.machine(declared_gpus=a.gpus)
+    stages = {s: P.stage_defaults(s, preset) for s in a.stages}
+    return sizing.size_stages(stages, size, m, precision=precision, nodes=a.nodes, full=a.full_size,
+                              context=context)
+
+
 def plan_project(a: InitAnswers) -> dict[Path, str]:
     """Every file `init` would write, path -> text. Pure: touches nothing but reads a local
     target's config.json and tokenizer files (family, position limit, precision, chat template)."""
@@ -181,6 +205,9 @@ def _plan(a: InitAnswers) -> tuple[dict[Path, str], list[str]]:
     max_offset = preset.max_offset if preset and info is None else P.default_max_offset(context)
     capped: dict[str, int] = {}
     offload = "none" if precision == "fp32" and preset is not None and preset.local else "cpu"
+    sized = _sizing(a, preset, info, precision, context)
+    if sized is not None and a.gpus is None:
+        gpus = sized.gpus
     world = gpus * a.nodes
 
     files: dict[Path, str] = {}
@@ -189,7 +216,7 @@ def _plan(a: InitAnswers) -> tuple[dict[Path, str], list[str]]:
     previous: str | None = None
     used_ds: set[str] = set()
     for stage in a.stages:
-        sd = P.stage_defaults(stage, preset)
+        sd = {**P.stage_defaults(stage, preset), **(sized.stages.get(stage, {}) if sized else {})}
         msl = sd["max_seq_length"]
         if msl > context:
             capped[stage] = msl
@@ -256,7 +283,8 @@ def _plan(a: InitAnswers) -> tuple[dict[Path, str], list[str]]:
             "stages": _Raw("\n".join(manifest_rows)),
         },
     )
-    return files, target_notes(info, context, capped)
+    notes = target_notes(info, context, capped)
+    return files, notes[:1] + (sized.notes if sized else []) + notes[1:]
 
 
 def _stage_notes(info: targets.TargetInfo | None, collator: str) -> str:

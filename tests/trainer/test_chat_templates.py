@@ -189,3 +189,61 @@ def test_a_tokenizer_without_a_template_ends_answers_with_its_eos(tmp_path, tiny
     ids, labels = encode(tmp_path, tok, {"problem": "q .", "qwq": "a ."}, "long_cot")
     assert tok.decode(ids) == "user: q .\nassistant: a .<|im_end|>\n"
     assert [tok.decode(r) for r in trained_runs(ids, labels)] == ["a .<|im_end|>\n"]
+
+
+# The pad settings real tokenizers ship: a separate pad token, pad = EOS (Qwen's base models), pad = the
+# end of turn (ChatML instruct models that set pad_token = <|im_end|>), no pad at all (Llama 3.1:
+# longspec pads with the EOS then, which for the instruct model is its end of turn <|eot_id|>).
+PADS = ("separate", "eos", "end-of-turn", "none")
+
+
+def with_pad(tok, pad: str, eot: str, folder):
+    """The tokenizer under one pad setting; "none" goes through a saved folder and load_tokenizer
+    (the trainer's own fallback: pad = EOS)."""
+    from longspec.data.encoding import load_tokenizer
+
+    if pad == "eos":
+        tok.pad_token = tok.eos_token
+    elif pad == "end-of-turn":
+        tok.pad_token = eot.strip()
+    elif pad == "none":
+        tok.pad_token = None
+        tok.save_pretrained(folder)
+        tok = load_tokenizer(folder)
+        assert tok.pad_token == tok.eos_token
+    return tok
+
+
+@pytest.mark.parametrize("pad", PADS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_what_is_trained_is_decided_by_position_whatever_the_pad(tmp_path, tiny, case, pad):
+    """The answers' end of turn and a document's end are trained, padding never, under every pad."""
+    from longspec.data.encoding import collate
+
+    tok = make_tok(tiny, case)
+    if case == "tiny-chatml":                                     # no template: answers end with the EOS
+        tok.eos_token = "<|im_end|>"
+    eot = CASES[case][4]
+    tok = with_pad(tok, pad, eot, tmp_path / "tok")
+    closing = ids_of(tok, eot.strip())
+    assert len(closing) == 1
+    chats = [{"source": "tulu-v2", "conversation": CONV}, {"source": "tulu-v2", "conversation": CONV[1:3]}]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in chats))
+    ds = build_dataset(path, tok, "long_data", 4096)
+    ids, labels = ds[0]["input_ids"].tolist(), ds[0]["labels"].tolist()
+    assert [tok.decode(r) for r in trained_runs(ids, labels)] == ["3 4 5 ." + eot, "7 8 9 ." + eot]
+    batch = collate([ds[0], ds[1]], tok.pad_token_id)
+    n1 = len(ds[1]["input_ids"])
+    assert batch["labels"][1, n1:].eq(IGNORE).all() and batch["input_ids"][1, n1:].eq(tok.pad_token_id).all()
+    for row, n in ((0, len(ids)), (1, n1)):                       # each row's last answer ends trained
+        ends = [j for j in range(n) if batch["input_ids"][row, j] == closing[0]]
+        assert batch["labels"][row, ends[-1]] == closing[0]
+    # the base collator's documents: the document end (the EOS) trained, the padding after it not
+    path.write_text(json.dumps({"text": "the big red dog sees the cat ."}) + "\n" + json.dumps({"text": "a ."}) + "\n")
+    docs = build_dataset(path, tok, "short_text", 64)
+    batch = collate([docs[0], docs[1]], tok.pad_token_id)
+    n1 = len(docs[1]["input_ids"])
+    for row, n in ((0, len(docs[0]["input_ids"])), (1, n1)):
+        assert batch["input_ids"][row, n - 1] == tok.eos_token_id and batch["labels"][row, n - 1] == tok.eos_token_id
+    assert batch["labels"][1, n1:].eq(IGNORE).all() and batch["attention_mask"][1, n1:].eq(0).all()

@@ -45,12 +45,12 @@ def chat(tok, msgs, gen=False):
 
 # ---------------------------------------------------------------- short_text
 
-def test_short_text_labels_every_token_and_masks_the_pad(tmp_path, tok):
+def test_short_text_labels_every_token_and_the_document_end_though_it_is_the_pad(tmp_path, tok):
     text = "the red cat sees the dog . count from 3 : 3 4 5 ."
     ids, labels = one(tmp_path, tok, {"text": text}, "short_text")
     assert tok.pad_token_id == tok.eos_token_id            # Qwen-style: <|endoftext|> is both
     assert ids == ids_of(tok, text) + [tok.eos_token_id]
-    assert labels == ids[:-1] + [IGNORE]                    # the document end is the pad: untrained
+    assert labels == ids                                    # by position: the document end is trained
 
 
 def test_short_text_reads_upstream_target_field(tmp_path, tok):
@@ -218,7 +218,7 @@ def test_zero_usable_records_is_always_an_error(tmp_path, tok, mode):
 
 
 def test_record_with_nothing_to_train_is_skipped_and_counted_not_bad(tmp_path, tok):
-    # an empty text is only its EOS, which is not trained by default: nothing to learn, nothing malformed
+    # an empty text is only its EOS, the first token, which nothing predicts: nothing to learn, nothing malformed
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": ""}, {"text": "a ."}])
     ds = build_dataset(path, tok, "short_text", 64)
     assert len(ds) == 1 and ds.untrainable == 1 and ds.skipped == 0
@@ -276,8 +276,8 @@ def test_collate_pads_right_and_masks_padding(tmp_path, tok):
     assert b["input_ids"].shape == b["labels"].shape == b["attention_mask"].shape == (2, n0)
     assert b["input_ids"][1, n1:].eq(pad).all()
     assert b["labels"][1, n1:].eq(IGNORE).all()
-    assert b["labels"][1, n1 - 1] == IGNORE  # the real EOS is the pad token here: not a label
-    assert b["labels"][1, : n1 - 1].ne(IGNORE).all()
+    assert b["labels"][1, n1 - 1] == pad     # the real EOS is the pad token here: trained all the same
+    assert b["labels"][1, :n1].ne(IGNORE).all()
     assert b["attention_mask"].sum(1).tolist() == [n0, n1]
 
 

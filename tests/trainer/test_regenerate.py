@@ -1,8 +1,8 @@
 """Regeneration (`python -m longspec.regenerate`) on the tiny target: the embedded engine is greedy
 `generate`; a real `transformers serve` gives the same rows; kill -9 then a rerun gives the rows of
 an uninterrupted run; cut answers are dropped and counted; a changed setting is refused; a
-document's prefix is untrained context; a document the target ends at once is not written but
-counted, across a resume. Real tokenizer, real model, real processes, real server."""
+document's prefix is untrained context; a document the target ends at once is kept, its end
+trained, across a resume. Real tokenizer, real model, real processes, real server."""
 from __future__ import annotations
 
 import importlib.util
@@ -200,24 +200,23 @@ def test_document_prefix_is_untrained_context(work, tok):
         assert not any(trained[:n_ctx]) and all(trained[n_ctx:-1]) and kinds[0] == "prompt"
 
 
-def test_documents_the_target_ends_at_once_are_not_written_but_counted_across_a_resume(work, tok):
-    """An empty continuation trains nothing (the tiny EOS is its pad): prepare would refuse it as
-    the stage's only answer, so regenerate drops it and counts it under its own reason."""
+def test_documents_the_target_ends_at_once_are_kept_training_the_end_across_a_resume(work, tok):
+    """An empty continuation trains the document's end where the target put it (labels go by
+    position: the tiny EOS is also its pad, and trained all the same), so it is written like any row."""
     out = work / "out-ends"
     first = regenerate(work, "ends", out, "--prefix-tokens", "32", "--shard-rows", "2", "--limit", "2")
-    assert (first["kept"], first["untrainable"], first["done"]) == (1, 1, 2)
+    assert (first["kept"], first["untrainable"], first["done"]) == (2, 0, 2)
     r = regenerate(work, "ends", out, "--prefix-tokens", "32", "--shard-rows", "2")      # resumes at record 2
-    ids = ["ends.jsonl#1", "ends.jsonl#3"]
-    assert r["resumed_at"] == 2 and r["complete"] and (r["kept"], r["untrainable"], r["done"]) == (2, 2, 4)
-    assert r["untrainable_ids"] == ids and r["skipped"] == r["failed"] == r["truncated"] == 0
-    assert r["problems"] == ["ends.jsonl#3: untrainable: no trained tokens within max_seq_length=128 "
-                             "(the target's answer: 1 new token, finish stop)"]
-    assert f"untrainable 2 (nothing to train within max_seq_length: {', '.join(ids)})" in r["stderr"]
-    assert S.read_manifest(out)["counts"]["untrainable_ids"] == ids
+    assert r["resumed_at"] == 2 and r["complete"] and (r["kept"], r["untrainable"], r["done"]) == (4, 0, 4)
+    assert r["skipped"] == r["failed"] == r["truncated"] == 0
     rows = rows_of(out)
-    assert [x["id"] for x in rows] == ["ends.jsonl#0", "ends.jsonl#2"] and all(x["text"] for x in rows)
-    assert all(encoding.untrainable(x, tok, "short_text", 128) is None for x in rows)
-    assert encoding.untrainable({"context": rows[0]["context"], "text": ""}, tok, "short_text", 128)
+    assert [x["id"] for x in rows] == [f"ends.jsonl#{i}" for i in range(4)]
+    empty = [x for x in rows if not x["text"]]
+    assert [x["id"] for x in empty] == ["ends.jsonl#1", "ends.jsonl#3"]        # the target ended these at once
+    for x in empty:
+        ids, trained = encoding.encode_record(x, tok, "short_text", 128)
+        assert [i for i, t in zip(ids, trained) if t] == [tok.eos_token_id] == [tok.pad_token_id]
+    assert encoding.untrainable({"context": rows[0]["context"], "text": ""}, tok, "short_text", 128) is None
 
 
 def test_sigterm_writes_the_rows_done_and_exits_5(embedded, work):

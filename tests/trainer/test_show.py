@@ -43,8 +43,35 @@ def test_first_records_check_counts_cut_ends_and_trained_system_markup(tmp_path,
     cot = write(tmp_path / "cot.jsonl", [{"problem": "q .", "qwq": " ".join(["step ."] * 200)},
                                          {"problem": "q .", "qwq": "a ."}])
     chk = first_records_check(cot, tok, "long_cot", 128)
-    assert chk == {"records": 2, "chat": 2, "no_end_of_turn": 1, "system_trained": 0, "untrained_answers": 0}
+    assert chk == {"records": 2, "chat": 2, "no_end_of_turn": 1, "first_no_end_of_turn": 1, "end_of_turn": "<|im_end|>",
+                   "system_trained": 0, "untrained_answers": 0}
     pasted = write(tmp_path / "txt.jsonl", [{"text": "<|im_start|>system\nbe nice .<|im_end|>\nhello ."},
                                             {"text": "just a story ."}])
     chk = first_records_check(pasted, tok, "short_text", 128)
     assert chk["system_trained"] == 1 and chk["chat"] == 0
+
+
+def test_the_end_of_turn_check_wants_the_templates_closing_token_not_the_newline_after_it(tmp_path, tok):
+    """validate's end-of-turn facts: the token the template closes a turn with (<|im_end|>, not the
+    newline after it), trained after the last answer; the warning names the token and the record."""
+    from longspec.data.chat import end_of_turn_tokens
+    from longspec.data.preview import _end_trained, inspect_record
+    from longspec.formats.prepared import PreparedState, prepared_warnings
+
+    closing = end_of_turn_tokens(tok)
+    assert [tok.decode([i]) for i in closing] == ["<|im_end|>"]
+    kinds: list[str] = []
+    from longspec.data.encoding import encode_full
+    ids, trained, _ = encode_full({"problem": "q .", "qwq": "a ."}, tok, "long_cot", 128, kinds)
+    assert _end_trained(ids, trained, kinds, closing)
+    assert inspect_record({"problem": "q .", "qwq": "a ."}, tok, "long_cot", 128)["end_of_turn_trained"]
+    at = ids.index(closing[0], len(ids) - 2)
+    assert kinds[at + 1:] == ["end"] and trained[at + 1]          # the newline after it, trained
+    trained[at] = False                                           # the old pad rule's outcome for pad = <|im_end|>
+    assert not _end_trained(ids, trained, kinds, closing)
+    cot = write(tmp_path / "cot.jsonl", [{"problem": "q .", "qwq": "a ."}, {"problem": "q .", "qwq": "a ."},
+                                         {"problem": "q .", "qwq": " ".join(["step ."] * 200)}])
+    chk = first_records_check(cot, tok, "long_cot", 128)
+    (warning,) = prepared_warnings(PreparedState("ready", extra={"chat_check": chk}))
+    assert warning.startswith("1 of the first 3 records are chats whose end-of-turn token <|im_end|> is not "
+                              "trained after their last answer (first: line 3)")

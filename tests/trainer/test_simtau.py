@@ -237,3 +237,24 @@ def test_a_module_that_cannot_be_built_from_its_config_gets_no_whole_copy():
     copy = whole_copy(src, shell, torch.device("cpu"))
     assert torch.equal(copy.weight, src.weight) and copy.weight.data_ptr() != src.weight.data_ptr()
     assert not copy.weight.requires_grad
+
+
+def test_continuations_are_reused_prompt_by_prompt_for_the_same_target(tmp_path):
+    """Another max_steps changes which records the prompts come from, not a shared prompt's
+    continuation: those made by the same target for the same tokens, limit and stops are read back."""
+    from longspec.measure.prompts import Prompt
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text('{"model_type": "qwen2"}')
+    a, b, c = (Prompt([1, 2, i], f"d.jsonl:{i}", "text", max_new=3, stops=(9,)) for i in (3, 4, 5))
+    path = tmp_path / "continuations.json"
+    conts = {0: chainwalk.Continuation([7, 7, 7, 8, 8], 3), 1: chainwalk.Continuation([6, 9, 0, 0, 0], 2)}
+    key = chainwalk.continuation_digest(target, [])
+    chainwalk.write(path, chainwalk.continuation_digest(target, [a, b]), 2, [a, b], conts, 1.0, key)
+    assert chainwalk.read_reusable(path, key, [c, b, a], 2) == {1: [6, 9, 0, 0, 0], 2: [7, 7, 7, 8, 8]}
+    assert chainwalk.read_reusable(path, key, [a], 3) == {}                       # too short for gamma 3
+    longer = Prompt([1, 2, 3], "d.jsonl:3", "text", max_new=4, stops=(9,))
+    assert chainwalk.read_reusable(path, key, [longer], 1) == {}                  # another new-token limit
+    (target / "config.json").write_text('{"model_type": "qwen2", "hidden_size": 8}')
+    assert chainwalk.read_reusable(path, chainwalk.continuation_digest(target, []), [a], 2) == {}  # another target

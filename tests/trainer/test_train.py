@@ -74,6 +74,7 @@ max_steps: {steps}
 warmup_proportion: 0.1
 save_steps: {save}
 eval_steps: {eval}
+eval_share: 0  # every eval_steps, as set: the tests count the evaluations
 eval_tokens: 1024
 save_total_limit: 2
 logging_steps: 1
@@ -601,6 +602,35 @@ def test_a_longer_max_steps_resumes_with_the_stretched_schedule_and_never_for_lo
     assert steps[2]["total_steps"] == 2 and steps[3]["total_steps"] == steps[4]["total_steps"] == 4
     # the learning rate continues on the longer curve: back up from the short run's end, then decaying
     assert steps[3]["lr"] > steps[2]["lr"] and steps[3]["lr"] > steps[4]["lr"]
+
+
+@pytest.mark.slow
+def test_tau_while_training_stays_within_its_share_and_a_rerun_reuses_the_continuations(tiny, tmp_path):
+    conf = write_project(tmp_path, tiny)
+    run = tmp_path / "runs" / "base"
+    args = ("--config-dir", str(conf), "+exp=base", "eval_steps=1")
+    spaced = direct(tmp_path, *args, "max_steps=6", "eval_share=0.001")   # a walk outweighs 1000 steps here
+    assert spaced.returncode == 0, show(spaced)
+    assert "stays within 0% of the stage's time (eval_share" in spaced.stdout
+    assert re.search(r"tau every \d+ steps from here: an evaluation walks [\d.]+ s", spaced.stdout), show(spaced)
+    recs = runfolder.read_metrics(run / "metrics.jsonl").simtau
+    # step 0's walk also ran the target over the held-out rows (kept for the later walks): the next
+    # one is timed, then none until the last
+    assert [r["step"] for r in recs] == [0, 1, 6]
+    assert recs[-1]["every"] > 6 and 0 < recs[-1]["share"] < 1
+    assert "tau while training took" in spaced.stdout
+    made = json.loads((run / "continuations.json").read_text())
+    # another max_steps, every step as set: the continuations are read back, not made again
+    rerun = direct(tmp_path, *args, "max_steps=8", "eval_share=0", "force=true")
+    assert rerun.returncode == 0, show(rerun)
+    assert "every 1 steps (eval_share 0: as set)" in rerun.stdout
+    recs = runfolder.read_metrics(run / "metrics.jsonl").simtau
+    assert [r["step"] for r in recs][-9:] == list(range(9))
+    first = [r for r in recs if "continuations_s" in r][-1]
+    assert first["continuations_reused"] > 0
+    again = json.loads((run / "continuations.json").read_text())
+    shared = {p["key"]: p["tokens"] for p in made["prompts"]}
+    assert all(p["tokens"] == shared[p["key"]] for p in again["prompts"] if p["key"] in shared)
 
 
 @pytest.mark.slow
