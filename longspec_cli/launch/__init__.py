@@ -5,8 +5,7 @@ and every trainer module's command line (trainer.py).
 Nothing here imports torch, deepspeed, transformers or hydra: the launcher is a separate process.
 
   trainer.py   every trainer module's command line (train, prepare, show, evaluate, export, regenerate,
-               doctor, draftcheck), built and started here; the JSON result read back
-               (trainerjson.py and traincmd.py: former names of its parts, for scaffold.py)
+               doctor, draftcheck, tiny), built and started here; the JSON result read back
   argv.py      the DeepSpeed launcher argv (GPUs, nodes, CPU fallback) and override checks
   process.py   one launch: run.json, train.log tee, progress line, Ctrl-C
   group.py     the launch's process group: training ranks, save request, stop escalation, `stop`

@@ -19,7 +19,7 @@ from longspec.project import presets as P
 from longspec.project import sizing
 from longspec.project import targets
 from longspec.files.atomic import atomic_write_text
-from longspec_cli.launch.traincmd import deepspeed_line
+from longspec_cli.launch.trainer import deepspeed_line
 from longspec.errors import RefusedError, UsageError
 
 _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
@@ -328,12 +328,12 @@ def local_data_file(root: Path, stage: str) -> Path:
 
 def build_local_assets(root: Path) -> dict[str, Any]:
     """Build the tiny target and data into ROOT/assets in a subprocess (the CLI never imports torch)."""
-    from longspec_cli.launch import trainerjson
+    from longspec_cli.launch import trainer
 
-    if not trainerjson.trainer_available():
+    if not trainer.trainer_available():
         raise RefusedError("the tiny preset builds a model locally and needs the trainer's packages",
                            hint="pip install 'longspec[train]'")
-    run = trainerjson.run_module(trainerjson.module_argv("longspec.tiny", "build", str(root / "assets"), "--json"))
+    run = trainer.run_module(trainer.tiny_argv(root / "assets"))
     if run.code != 0 or run.result is None:
         tail = "\n".join([line for line in run.tail if line.strip()][-8:])
         raise RefusedError(f"building the tiny preset failed (exit {run.code}):\n{tail}")

@@ -84,6 +84,11 @@ def export_argv(run_dir: str | os.PathLike, stage: str, fmt: str, out: Path | No
     return argv + (["--force"] if force else [])
 
 
+def tiny_argv(out: str | os.PathLike) -> list[str]:
+    """tiny: the tiny preset's target, tokenizer and data built into OUT."""
+    return module_argv("longspec.tiny", "build", str(out), "--json")
+
+
 def doctor_argv(where: Path | None) -> list[str]:
     """doctor: what this machine can run (the disk check under `where`, default here)."""
     return module_argv("longspec.doctor", "--dir", str((where or Path.cwd()).expanduser().absolute()))
