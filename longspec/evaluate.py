@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import sys
 
+from longspec.files.tail import last_json
 from longspec.machine import cudaarch
 from longspec.measure.evalargs import parse_args
 from longspec.measure.evalrun import Models, evaluate
@@ -130,17 +131,6 @@ def serve() -> int:
         print(json.dumps({"exit_code": code, **({"error": answer["error"], "hint": answer.get("hint")}
                                                   if "error" in answer else {"result": answer})}), flush=True)
     return 0
-
-
-def last_json(text: str) -> dict | None:
-    for line in reversed(text.strip().splitlines()):
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict):
-            return obj
-    return None
 
 
 if __name__ == "__main__":

@@ -152,3 +152,18 @@ def last_lines(path: str | os.PathLike, n: int, *, since: int = 0, max_bytes: in
     except OSError:
         return []
     return data.decode("utf-8", "replace").splitlines()[-n:]
+
+
+def last_json(text: str | None) -> dict | None:
+    """The last line of `text` that is a JSON object: the result line a trainer module prints last
+    (`--json`), after whatever progress and warnings came before it."""
+    import json
+
+    for line in reversed((text or "").strip().splitlines()):
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            return obj
+    return None

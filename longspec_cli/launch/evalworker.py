@@ -18,6 +18,7 @@ import time
 from collections import deque
 
 from longspec.errors import INTERRUPTED, LongspecError, RefusedError
+from longspec.files.tail import last_json
 from longspec_cli.launch import trainer
 
 
@@ -78,7 +79,7 @@ class EvalWorker:
             self.proc.stdin.write(json.dumps(args) + "\n")
             self.proc.stdin.flush()
             for line in self.proc.stdout:          # its answer line (a stray line of a library is passed over)
-                answer = trainer.last_json(line)
+                answer = last_json(line)
                 if answer is not None and "exit_code" in answer:
                     break
                 answer = None

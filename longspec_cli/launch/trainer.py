@@ -10,7 +10,6 @@ CLI's errors (the module's own error object, a crash).
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shlex
 import sys
@@ -19,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from longspec.files.tail import last_json
 from longspec.errors import LongspecError, RefusedError, UsageError
 
 TRAINER_MODULE = "longspec.train"
@@ -235,15 +235,3 @@ def _module(argv: list[str]) -> str:
 
 def _noise(line: str) -> bool:
     return "FutureWarning" in line or "return forward_call" in line or line.lstrip().startswith("warnings.warn")
-
-
-def last_json(out: str) -> dict | None:
-    """The last line of `out` that is a JSON object."""
-    for line in reversed((out or "").strip().splitlines()):
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict):
-            return obj
-    return None
