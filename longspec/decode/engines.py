@@ -200,6 +200,9 @@ class ServerEngine:
                 last = str(e)
                 time.sleep(min(self.backoff, max(deadline - time.monotonic(), 0)))
                 continue
+            except H.TooLarge:
+                raise EngineError(f"server {url}/v1/models answers with a body over {MODELS_BYTES} bytes: "
+                                  "not an OpenAI-compatible server?") from None
             if reply.status in (401, 403):
                 raise KeyRefused(self._refusal(url, reply.status))
             if reply.status >= 300:
@@ -268,7 +271,7 @@ class ServerEngine:
         reply = self._call(url, path, body, ANSWER_BYTES + ANSWER_BYTES_PER_TOKEN * req.max_new)
         try:
             return read_answer(reply, chat)
-        except (KeyError, IndexError, TypeError, ValueError) as e:
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
             raise EngineError(f"{url}{path}: an answer that cannot be read ({self.shown(str(e))[:H.EXCERPT]})") from None
 
     def _request(self, url: str, path: str, body: dict | None, idle: float, max_bytes: int):
@@ -291,7 +294,7 @@ class ServerEngine:
         other HTTP errors raise EngineError, no connection ServerUnreachable."""
         last = ""
         for k in range(self.retries + 1):
-            delay = self.backoff * 2 ** k
+            delay = min(self.backoff * 2 ** k, self.retry_cap)     # a long --retries waits no more than the cap
             try:
                 reply = self._request(url, path, body, self.idle, max_bytes)
             except H.Unreachable as e:

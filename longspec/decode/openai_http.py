@@ -75,7 +75,7 @@ def mask(text: str, secrets) -> str:
 def excerpt(raw: bytes | str, secrets=(), limit: int = EXCERPT) -> str:
     """A short, single-line, masked excerpt of what a server wrote."""
     text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
-    text = mask(text[:limit * 8], secrets)
+    text = mask(text[:limit * 8 + 4096], secrets)[:limit * 8]   # masked before the cut: no key's head left
     text = " ".join("".join(c if c.isprintable() else " " for c in text).split())
     return text if len(text) <= limit else text[:limit] + "..."
 
@@ -126,6 +126,8 @@ class Client:
                 raise self._why(Idle(f"no answer for {idle:g} s")) from None
             except (OSError, http.client.HTTPException) as e:
                 raise self._why(Unreachable(_reason(e))) from None
+            except ValueError:                      # http.client refuses a header (its text holds the key)
+                raise self._why(Unreachable("a request header could not be sent")) from None
             heads = {k.lower(): v for k, v in resp.getheaders()}
             if 300 <= resp.status < 400:
                 raise Redirected(heads.get("location") or "(no Location)")

@@ -46,4 +46,10 @@ def probe(python: Path) -> dict:
     if not lines:
         why = "longspec is not installed there" if "No module named" in done.stderr else (done.stderr.strip()[-300:] or "no answer")
         return {"python": str(python), "vllm": None, "plugin": None, "problem": why}
-    return json.loads(lines[-1])
+    try:
+        found = json.loads(lines[-1])
+    except ValueError:
+        found = None
+    if not isinstance(found, dict):
+        return {"python": str(python), "vllm": None, "plugin": None, "problem": "its probe printed no readable answer"}
+    return found

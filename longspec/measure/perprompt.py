@@ -36,7 +36,7 @@ def measure(model, target, draft, prompts: list, *, gamma: int, device, log=None
     """Per-prompt rows for `prompts` (longspec.measure.prompts.Prompt, each with its bucket set in
     `.bucket`): plain decoding, each method and the input draft (``baseline``, first method).
     Greedy: a method's output must equal plain greedy's (``lossless``); sampling: None. Each row's
-    `_raw` holds the sums evalreport.figures adds up: (tokens after the first, decode seconds,
+    `_raw` holds the sums report.figures adds up: (tokens after the first, decode seconds,
     accepted, verify forwards). ``seconds`` adds up the wall time of each part: warm-up, plain
     (the target's own decoding), each method, baseline."""
     import time

@@ -49,6 +49,11 @@ def plan(servers: list[str], key_envs: list[str]) -> list[ServerKey]:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise KeyProblem(f"--server {shown(url)}: an http:// or https:// URL")
+        if parts.query or parts.fragment:
+            bare = urlunsplit(parts._replace(query="", fragment=""))
+            raise KeyProblem(f"--server {shown(bare)}?...: a query or fragment in a server URL is not sent and "
+                             "would show in `ps`, logs and the manifest (a key there?); give the base URL "
+                             f"(http://HOST:PORT/v1) and the key in an environment variable ({DEFAULT_ENV})")
         if parts.username is not None or parts.password is not None:
             raise KeyProblem(f"--server {shown(url)}: credentials in a URL would show in `ps`, logs and the "
                              f"manifest; give the URL without them and the key in an environment variable "
@@ -64,6 +69,11 @@ def plan(servers: list[str], key_envs: list[str]) -> list[ServerKey]:
         if not k.env.isidentifier():
             raise KeyProblem("--api-key-env takes the name of an environment variable, not a key (what was "
                              "given is not shown: it may be one)")
+        value = os.environ.get(k.env) or ""
+        if value and (value != value.strip() or not value.isprintable() or not value.isascii()):
+            raise KeyProblem(f"{k.env}: the key holds spaces, control characters (a line end?) or non-ASCII "
+                             "characters, which an HTTP header cannot carry; set it again without them "
+                             "(the value is not shown)")
         if k.named and not os.environ.get(k.env):
             if not looks_like_a_name(k.env):
                 raise KeyProblem(f"--api-key-env: no variable of that name is set, and the name given ({len(k.env)} "

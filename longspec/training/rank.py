@@ -47,15 +47,18 @@ def take_local_rank(argv: list[str]) -> list[str]:
 
 
 def single_process_env() -> None:
-    """`python -m longspec.train` without a launcher: a world of one on a free local port."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    """`python -m longspec.train` without a launcher: a world of one on a free local port. A world
+    set by the environment is kept, unless LONGSPEC_WORLD_OF_ONE=1 (`longspec run`'s direct one-rank
+    launch: a RANK or WORLD_SIZE inherited from a surrounding job is not this run's)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and os.environ.get("LONGSPEC_WORLD_OF_ONE") != "1":
         return
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"),
+    local = "0" if os.environ.get("LONGSPEC_WORLD_OF_ONE") == "1" else os.environ.get("LOCAL_RANK", "0")
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=local,
                       LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 

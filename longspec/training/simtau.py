@@ -233,8 +233,10 @@ class SimTau:
         digest = chainwalk.continuation_digest(Path(target), self.prompts)
         target_digest = chainwalk.continuation_digest(Path(target), [])
         reused: dict = {}
+        whole = False                                     # continuations.json is this run's already
         if self.rank == 0:                                # the same prompts, or those a run before shared
             conts = chainwalk.read(path, digest, self.prompts, self.gamma)
+            whole = conts is not None
             reused = {i: c.tokens for i, c in conts.items()} if conts is not None else \
                 chainwalk.read_reusable(path, target_digest, self.prompts, self.gamma)
         reused = comm.broadcast_object(reused, src=0)
@@ -250,6 +252,8 @@ class SimTau:
         if have:
             self.conts = {i: chainwalk.Continuation(t, chainwalk.stop_end(t, p.max_new, p.stops))
                           for i, (p, t) in enumerate(zip(self.prompts, (reused[i] for i in range(len(self.prompts)))))}
+            if self.rank == 0 and not whole:              # reused prompt by prompt: the file names this run's
+                chainwalk.write(path, digest, self.gamma, self.prompts, self.conts, 0.0, target_digest)
             return
         t0 = time.time()
         if copy_target:

@@ -8,7 +8,6 @@ export (`python -m longspec.export`), builds the command (launch/vllmcmd.py) and
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import Optional
 
@@ -68,7 +67,7 @@ def serve_cmd(
         typer.echo(f"serving {p.target} with stage {p.stage}'s draft (gamma {gamma}): OpenAI API at {p.url} "
                    f"(model: {p.target}) once vLLM says it is ready; Ctrl-C stops it")
         try:
-            code = subprocess.run(p.argv).returncode
+            code = vllmcmd.run_server(p.argv)
         except KeyboardInterrupt:
             raise typer.Exit(130) from None
         if code:

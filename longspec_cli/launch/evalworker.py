@@ -47,7 +47,8 @@ class EvalWorker:
         env["LONGSPEC_STARTED_AT"] = repr(time.time())      # its `process_start` timing, to the millisecond
         try:
             proc = subprocess.Popen([*head, "--serve"], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env=env)
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1, env=env,
+                                    start_new_session=True)   # the terminal's Ctrl-C is the CLI's to pass on
         except OSError as e:
             raise RefusedError(f"cannot start {' '.join(head)}: {e}") from None
         self._reader = threading.Thread(target=self._echo, args=(proc,), daemon=True)
@@ -75,6 +76,7 @@ class EvalWorker:
         self.tail.clear()
         args = argv[3:]
         answer = None
+        restore = trainer.forward_sigterm(self.proc)     # a SIGTERM to `run` reaches the measurement too
         try:
             self.proc.stdin.write(json.dumps(args) + "\n")
             self.proc.stdin.flush()
@@ -88,6 +90,8 @@ class EvalWorker:
         except KeyboardInterrupt:
             self.close(kill=True)
             raise LongspecError("evaluation interrupted", exit_code=INTERRUPTED) from None
+        finally:
+            restore()
         if answer is None:                          # the process died: its last lines say why
             code = self.proc.wait()
             if self._reader:

@@ -120,7 +120,8 @@ def launch_command(placement: A.Placement, res: A.Resources, conf: Path, exp: st
         # DeepSpeed, start to finish, to every stage.
         module_args = A.trainer_args(conf, exp, output_dir, overrides)[1:]          # without --module
         return with_ops_dir(A.LaunchCommand(argv=[sys.executable, "-u", "-m", *module_args],
-                                            env=A.cpu_env(res), world_size=1, cpu=True))
+                                            env={**A.cpu_env(res), "LONGSPEC_WORLD_OF_ONE": "1"},
+                                            world_size=1, cpu=True))
     return with_ops_dir(A.build_launch(placement, res, conf, exp, output_dir, overrides,
                                        launcher=_dry_launcher() if dry else None))
 

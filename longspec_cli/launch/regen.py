@@ -112,7 +112,8 @@ def regenerate(req: RegenRequest, say=None) -> tuple[Path, list[dict], list[Long
                 break
             continue
         if req.use and not r.get("used"):
-            why = f"is not complete ({state.refusal()})" if state is None or state.unfinished else "kept no row"
+            why = ("left no state" if state is None else
+                   f"is not complete ({state.refusal()})" if state.unfinished else "kept no row")
             raise RefusedError(f"{spec.name}: the regeneration {why}; train_file left as it is ({out})",
                                hint="see the counts above; --keep-truncated keeps answers cut at the limit; "
                                     "--force uses a folder with failed or missing rows")

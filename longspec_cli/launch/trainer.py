@@ -179,7 +179,7 @@ def run_module(argv: list[str], *, show_progress: bool = False, timeout: float |
     timer = threading.Timer(timeout, lambda: (expired.set(), proc.kill())) if timeout else None
     if timer:
         timer.start()
-    forward = _forward_sigterm(proc)
+    forward = forward_sigterm(proc)
     try:
         for line in proc.stderr:
             line = line.rstrip("\n")
@@ -199,7 +199,7 @@ def run_module(argv: list[str], *, show_progress: bool = False, timeout: float |
     return ModuleRun(code, last_json("".join(chunks)), list(tail), expired.is_set())
 
 
-def _forward_sigterm(proc):
+def forward_sigterm(proc):
     """While the module runs, a SIGTERM to this process goes to it (it stops its own way, writes
     what it has done and exits; this process then reads its result): no module is left running
     on its own. Returns the function that puts the previous handler back."""

@@ -43,8 +43,37 @@ def api_url(host: str, port: int) -> str:
     return f"http://{shown}:{port}/v1"
 
 
+SECRET_FLAGS = ("--api-key",)   # vLLM's flags whose value is a secret: never printed (VLLM_API_KEY instead)
+
+
 def shell_line(argv: list[str]) -> str:
-    return shlex.join(argv)
+    """The command as a shell line, with the value of a secret flag (`--api-key KEY`) masked."""
+    shown, hide = [], False
+    for a in argv:
+        flag, eq, _ = a.partition("=")
+        shown.append("***" if hide else f"{flag}=***" if eq and flag in SECRET_FLAGS else a)
+        hide = a in SECRET_FLAGS
+    return shlex.join(shown)
+
+
+def run_server(argv: list[str], grace_s: float = 30.0) -> int:
+    """Run vLLM's server in the foreground; Ctrl-C (which vLLM gets too) waits for its own shutdown
+    up to `grace_s`, then SIGTERM, then SIGKILL, so its engine processes are not left behind."""
+    import subprocess
+
+    proc = subprocess.Popen(argv)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        for stop in (None, proc.terminate, proc.kill):
+            if stop is not None:
+                stop()
+            try:
+                proc.wait(timeout=grace_s if stop is None else 10)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        raise
 
 
 def draft_target(draft: Path) -> str | None:
