@@ -10,12 +10,16 @@ resume that would hold out other tokens is refused. `eval` replays the sampler o
 before them, so its default prompts come from these never-drawn records first.
 
 When: at step 0, at the last step, and every `eval_steps` optimizer steps at the closest, spaced
-further so that tau stays within `eval_share` of the stage's time (default 5%): each evaluation's
-walk is timed (not the first, when it also ran the target over the held-out rows that the later
-walks reuse), and a regular one is skipped until the steps since the last one took long enough
-for it (every rank decides alike: the largest need over the ranks). `eval_share: 0` evaluates
-every `eval_steps`, as set. The start line says which; each simtau record carries `every` and
-the `share` so far.
+further so that tau stays within `eval_share` of the stage's time (default 5%). Two rules, the
+stricter wins: the pace (each walk is timed, not the first, which also ran the target over the
+held-out rows the later walks reuse and bounds them until one is timed; a regular evaluation waits
+until the steps since the last one took long enough for it), and the account (a regular
+evaluation waits until everything tau spent, the continuations and the first walk included, is
+within its share of the stage's time so far; the log says when one is deferred). Every rank
+decides alike: the largest need over the ranks. The evaluations at step 0 and at the last step
+are always made, so a stage much shorter than its first evaluation stays over its share.
+`eval_share: 0` evaluates every `eval_steps`, as set. The start line says which; each simtau
+record carries `every` and the `share` so far.
 
 The figure: the prompts of
 `eval`'s default measurement for the run's step count (longspec.measure.prompts.default_prompts, read
@@ -118,6 +122,8 @@ class SimTau:
         self.last_step: int | None = None            # the last evaluation's step, and when it ended
         self.last_end = 0.0
         self.walk_s: float | None = None             # the last evaluation's walk (what spaces the next ones)
+        self.first_walk_s = 0.0                      # the first walk (the target's held-out rows too): a bound
+        self.owing = False                           # a regular evaluation is deferred until tau's account allows
         self.spent = 0.0                             # every evaluation's seconds, continuations included
         self.began: float | None = None
         self.out, self.rank, self.world, self.resumed = out, rank, world, resumed
@@ -293,25 +299,42 @@ class SimTau:
                 f"that it stays within {self.share:.0%} of the stage's time (eval_share; 0 = every eval_steps)")
 
     def _spaced(self, session, step: int) -> bool:
-        """Whether a regular evaluation at ``step`` keeps tau within its share: the last one's walk
-        against the steps' pace since it ended. Collective (every rank decides alike)."""
-        if self.share <= 0 or self.last_step is None or self.walk_s is None:
+        """Whether a regular evaluation at ``step`` keeps tau within its share. Two rules, the stricter
+        wins: the pace (the last walk against the steps' time since it ended: the gap between
+        evaluations), and the account (everything tau has spent so far, continuations and the first
+        walk included, plus the next walk, within the share of the stage's time so far: what the
+        first evaluation cost is earned back before a regular one runs). Collective (every rank
+        decides alike)."""
+        if self.share <= 0 or self.last_step is None:
             return True
         import torch
 
         from longspec.model import comm
 
-        since = step - self.last_step
-        step_s = (time.time() - self.last_end) / max(since, 1)
-        need = math.ceil(self.walk_s * (1 - self.share) / (self.share * max(step_s, 1e-9)))
-        need = int(comm.all_reduce(torch.tensor([need], dtype=torch.int64), op="max").item())
-        gap = max(self.every, math.ceil(need / self.every) * self.every)
+        now, since = time.time(), step - self.last_step
+        step_s = max((now - self.last_end) / max(since, 1), 1e-9)
+        walk = self.walk_s if self.walk_s is not None else self.first_walk_s     # untimed: the first's, at most
+        pace = math.ceil(walk * (1 - self.share) / (self.share * step_s))
+        owed = (self.spent + walk) / self.share - walk - (now - self.began)      # training seconds still to earn
+        account = since + math.ceil(owed / step_s) if owed > 0 else 0
+        need = comm.all_reduce(torch.tensor([pace, account], dtype=torch.int64), op="max").tolist()
+        gap = max(self.every, math.ceil(need[0] / self.every) * self.every)
         if gap != self.gap and self.rank == 0:
             from longspec.training.rank import print0
 
             print0(f"[{session.conf['stage']}] tau every {gap} steps from here: an evaluation walks "
-                   f"{self.walk_s:.1f} s, a step takes {step_s:.2f} s (eval_share {self.share:.0%})")
+                   f"{walk:.1f} s, a step takes {step_s:.2f} s (eval_share {self.share:.0%})")
         self.gap = gap
+        if since >= gap and need[1] > since:
+            if not self.owing and self.rank == 0:
+                from longspec.training.rank import print0
+
+                print0(f"[{session.conf['stage']}] tau at step {step} deferred: tau took {self.spent:.1f} s of the "
+                       f"stage's {now - self.began:.1f} s so far, over its {self.share:.0%} (eval_share) until "
+                       f"about step {self.last_step + need[1]}")
+            self.owing = True
+            return False
+        self.owing = False
         return since >= gap
 
     def maybe(self, session, force: bool = False) -> bool:
@@ -357,6 +380,8 @@ class SimTau:
         # a walk that also ran the target over the held-out rows (kept for the later ones) does not
         # say what the next ones cost: the next regular evaluation is timed instead
         self.walk_s = None if fills and self.frozen.get("keep") else now - t1
+        if fills:
+            self.first_walk_s = now - t1
         share = self.spent / max(now - self.began, 1e-9)
         if self.rank == 0:
             # the first evaluation builds the prompts and makes (or reads back) the continuations
