@@ -34,6 +34,9 @@ CPU_MAX_PARAMS = 2.0e9      # a larger target is not trained on a CPU: its recip
 CPU_EFFICIENCY = 0.5        # share of the measured matmul rate a training step reaches (rough: a 135M
                             # Llama's torch forward ran at 25 GFLOP/s beside 12-50 GFLOP/s of numpy's
                             # 512 products on the same 2 shared cores)
+GPU_EFFICIENCY = 0.5        # share of a GPU's listed dense bf16 rate a step reaches (rough: the GLIDE step of a
+                            # 7B-shaped target reached 548 of the H200's 989 TFLOP/s at 32k on one GPU,
+                            # bench/gpu_check.py; ZeRO-3 on several GPUs gathers the target's weights too)
 MARGIN = 0.90               # share of a GPU's memory the estimate may fill
 MIN_SEQ = 2048              # the long stages are not shortened below this on GPUs
 # Per stage on a CPU: (max_seq_length, per-device batch, accumulation, learning rate).
@@ -52,6 +55,7 @@ class Machine:
     gflops: float | None = None     # measured float32 matmul rate of this CPU, None: not measured
     declared: bool = False          # the GPUs come from --gpus, not from this machine
     measure: bool = True            # time a matmul for gflops when a CPU sizing needs it
+    gpu_name: str | None = None     # nvidia-smi's name of the smallest GPU (what a GPU step is priced by)
 
     def text(self) -> str:
         if self.gpus and self.gpu_mib:
@@ -82,9 +86,9 @@ def machine(env: dict[str, str] | None = None, declared_gpus: int | None = None)
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
     except (ValueError, OSError, AttributeError):
         ram = None
-    mib = min(g.memory_mib for g in found) if found else None
-    if found:
-        return Machine(declared_gpus or len(found), mib, cpus, ram)
+    small = min(found, key=lambda g: g.memory_mib) if found else None
+    if small is not None:
+        return Machine(declared_gpus or len(found), small.memory_mib, cpus, ram, gpu_name=small.name)
     if declared_gpus:
         return Machine(declared_gpus, None, cpus, ram, declared=True)
     return Machine(0, None, cpus, ram)
@@ -143,24 +147,59 @@ def size_stages(stages: dict[str, dict], size: ModelSize | None, m: Machine, *, 
     params = size.target_params() if size else None
     why = m.text()
     if full:
-        return Sizing("recipe", m.gpus or 8, notes=[f"sizes: the recipe's (--full-size); machine: {why}"])
+        return _priced(Sizing("recipe", m.gpus or 8, notes=[f"sizes: the recipe's (--full-size); machine: {why}"]),
+                       stages, size, m, nodes)
     if m.gpus and (m.declared or size is None):
-        return Sizing("recipe", m.gpus, notes=[f"sizes: the recipe's; machine: {why}"])
+        return _priced(Sizing("recipe", m.gpus, notes=[f"sizes: the recipe's; machine: {why}"]), stages, size, m, nodes)
     if not m.gpus:
         if params is None or params > CPU_MAX_PARAMS:
             what = "an unknown size" if params is None else f"{params / 1e9:.1f}B parameters"
-            return Sizing("recipe", 8, notes=[
+            return _priced(Sizing("recipe", 8, notes=[
                 f"sizes: the recipe's for 8 GPUs: the target ({what}) is not trained on a CPU; machine: {why} "
-                "(`--gpus N` says the GPUs it will run on)"])
+                "(`--gpus N` says the GPUs it will run on)"]), stages, size, m, nodes)
         if m.gflops is None and m.measure:
             m = replace(m, gflops=matmul_gflops())
         return _cpu(stages, size, m, context)
     peaks = _recipe_gpu_fit(stages, size, m, precision, nodes)
     cap = m.gpu_mib * MIB_BYTES * MARGIN
     if all(p <= cap for p in peaks.values()):
-        return Sizing("recipe", m.gpus, notes=[
-            f"sizes: the recipe's: the memory estimate fits {why} (peak {max(peaks.values()) / GiB:.1f} GiB)"])
-    return _gpu(stages, size, m, precision, nodes, cap)
+        return _priced(Sizing("recipe", m.gpus, notes=[
+            f"sizes: the recipe's: the memory estimate fits {why} (peak {max(peaks.values()) / GiB:.1f} GiB)"]),
+            stages, size, m, nodes)
+    return _priced(_gpu(stages, size, m, precision, nodes, cap), stages, size, m, nodes)
+
+
+def _priced(out: Sizing, stages: dict[str, dict], size: ModelSize | None, m: Machine, nodes: int) -> Sizing:
+    """`out` with a cost line per GPU stage: tokens per optimizer step and, on a GPU whose bf16 rate is
+    listed (longspec.machine.gpus), a step's rough time at GPU_EFFICIENCY of it and the stage's
+    (per 1,000 steps for a whole-epoch stage, whose steps the data's size sets)."""
+    from longspec.machine.gpus import listed_bf16_tflops
+
+    world = out.gpus * nodes
+    rate = listed_bf16_tflops(m.gpu_name) if m.gpu_name and not m.declared else None
+    for name, sd in stages.items():
+        sd = {**sd, **out.stages.get(name, {})}
+        seq, micro = int(sd["max_seq_length"]), int(sd["per_gpu_train_batch_size"])
+        accum, steps = int(sd.get("gradient_accumulation_steps") or 1), int(sd.get("max_steps") or 0)
+        tokens = seq * micro * accum * max(1, world // _sp(sd))
+        line = f"{name} cost: {tokens:,} tokens a step ({seq} x {micro} x {accum} accumulation x {world // _sp(sd)} " \
+               f"data-parallel)"
+        if size is not None and rate:
+            step_s = tokens * flops_per_token(size, seq) / (world * rate * 1e12 * GPU_EFFICIENCY)
+            span = f"{steps} steps ~{_hours(steps * step_s)}" if steps else f"~{_hours(1000 * step_s)} per 1,000 steps"
+            line += (f", ~{step_s:.1f} s a step on {m.gpu_name} ({rate:.0f} TFLOP/s listed, {GPU_EFFICIENCY:.0%} "
+                     f"of it reached), {span}")
+        else:
+            line += ", time not estimated (" + ("the target's size is unknown" if size is None else
+                                                "no GPU here whose rate is listed") + ")"
+        if not steps:
+            line += "; a whole epoch: `longspec prepare` counts its steps"
+        out.notes.append(line)
+    return out
+
+
+def _hours(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
 
 
 def _gpu(stages, size, m: Machine, precision: str, nodes: int, cap: float) -> Sizing:

@@ -72,10 +72,20 @@ def test_full_size_writes_the_recipe_whatever_the_machine(tmp_path):
 def test_the_32b_preset_keeps_its_recipe_on_8_gpus_that_fit_it_and_on_a_login_node(tmp_path):
     args = ("--preset", "qwq-32b-preview")
     notes, on_gpus = init(tmp_path, "gpus", *args, env={"CUDA_VISIBLE_DEVICES": None, **fake_smi(tmp_path, 8)})
-    assert notes == ["sizes: the recipe's: the memory estimate fits 8 GPU(s) of 80 GiB (peak 67.7 GiB)"]
+    assert notes[0] == "sizes: the recipe's: the memory estimate fits 8 GPU(s) of 80 GiB (peak 67.7 GiB)"
+    # each stage priced: tokens a step, and a step's time on the H100s at half their listed 989 TFLOP/s;
+    # at least the target's forward (2 x 32.8B FLOPs a token), at most 1.6x it (the draft, lm_head, attention)
+    for stage, tokens in (("base", 1024 * 2 * 128 * 8), ("long", 32768 * 8 * 8), ("longcot", 32768 * 32 * 8)):
+        (line,) = [n for n in notes if n.startswith(f"{stage} cost: ")]
+        assert line.startswith(f"{stage} cost: {tokens:,} tokens a step (") and "8 data-parallel" in line, line
+        step_s = float(re.search(r"~([\d.]+) s a step on NVIDIA H100 80GB HBM3 \(989 TFLOP/s listed", line)[1])
+        floor = 2 * 32.8e9 * tokens / (8 * 989e12 * 0.5)
+        assert floor <= step_s <= 1.6 * floor, (line, floor)
+        assert "per 1,000 steps; a whole epoch: `longspec prepare` counts its steps" in line
     _, full = init(tmp_path, "full", *args, "--full-size", env=NO_GPU)
     notes, login = init(tmp_path, "login", *args, env=NO_GPU)
     assert notes[0].startswith("sizes: the recipe's for 8 GPUs: the target (32.8B parameters) is not trained on a CPU")
+    assert notes[1].startswith("base cost: 2,097,152 tokens a step") and "time not estimated (no GPU here" in notes[1]
     for stage in STAGES:
         keep = ("data", "learning_rate", "per_gpu_train_batch_size", "gradient_accumulation_steps",
                 "global_batch_size", "max_steps", "eval_steps")
@@ -95,3 +105,13 @@ def test_gpus_too_small_for_the_recipe_get_fitted_batches_that_keep_the_global_b
         assert c["data"]["max_seq_length"] <= recipe["max_seq_length"]
         assert c["global_batch_size"] >= recipe["per_gpu_train_batch_size"] * recipe["gradient_accumulation_steps"] * 8
         assert any(n.startswith(f"{stage}: {c['data']['max_seq_length']} tokens x ") for n in notes)
+
+
+def test_a_gpus_listed_rate_is_read_from_its_nvidia_smi_name_the_specific_name_first():
+    from longspec.machine.gpus import listed_bf16_tflops
+
+    names = {"NVIDIA H100 80GB HBM3": 989.0, "NVIDIA H100 PCIe": 756.0, "NVIDIA H100 NVL": 835.0,
+             "NVIDIA H200": 989.0, "NVIDIA H200 NVL": 835.0, "NVIDIA GH200 480GB": 989.0,
+             "NVIDIA A100-SXM4-80GB": 312.0, "NVIDIA L40S": 362.0, "NVIDIA B200": 2250.0,
+             "NVIDIA L4": None, "NVIDIA GeForce RTX 4090": None, "Tesla V100-SXM2-32GB": None}
+    assert {n: listed_bf16_tflops(n) for n in names} == names
