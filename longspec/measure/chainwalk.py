@@ -12,6 +12,9 @@ gathering needs; the tokens after a stop are what the target's verify forward se
 folder (continuations.json) with a digest of what made them (continuation_digest: the target's
 config and weight files, the tokenizer files, every prompt's tokens, limit and stop tokens); a
 resume with the same digest reuses them, and `eval` checks its own greedy output against them.
+Each is also kept in a cache any run on the host reads (shared_folder: by the target, its dtype
+and the device kind; a file per prompt key), so a new run folder of the same stage, or another
+stage sharing prompts, does not decode them again.
 
 The walk. Greedy chain decoding (longspec.decode.chain.speculative_decode with GlideProposer) with
 g tokens generated (prompt P tokens, continuation c_0 .. c_{g-1} verified; the target's cache ends
@@ -350,6 +353,56 @@ def read_reusable(path: Path, target_digest: str, prompts: list, gamma: int) -> 
         if toks is not None and len(toks) >= p.max_new + gamma:
             out[i] = toks[:p.max_new + gamma]
     return out
+
+
+# ----------------------------------------------------------------------------- the shared cache
+
+def shared_folder(target: Path, dtype: str, device: str) -> Path:
+    """Where any run on this host keeps the target's continuations, one file per prompt key: under
+    longspec's cache root (files.atomic.cache_root), by the target (config, tokenizer files, weight
+    files' names, sizes and modification times: weights rewritten in place are another target),
+    the dtype it decodes in and the device kind (greedy tokens can differ between them)."""
+    from longspec.files.atomic import cache_root
+
+    h = hashlib.sha256(f"chainwalk {VERSION}\n{dtype}\n{device}\n".encode())
+    h.update(continuation_digest(target, []).encode())
+    for f in sorted(Path(target).iterdir()) if Path(target).is_dir() else ():
+        if f.suffix in _WEIGHT_SUFFIXES:
+            h.update(f"{f.name}\0{f.stat().st_mtime_ns}".encode())
+    return cache_root() / "continuations" / h.hexdigest()[:32]
+
+
+def read_shared(folder: Path, prompts: list, gamma: int, skip=()) -> dict[int, list[int]]:
+    """{prompt index: tokens} of the prompts (but ``skip``) whose continuation the shared cache holds,
+    long enough for ``gamma``; an unreadable or malformed entry is missing."""
+    from longspec.runs import runfolder
+
+    out = {}
+    for i, p in enumerate(prompts):
+        if i in skip:
+            continue
+        data, _ = runfolder.read_json(folder / f"{prompt_key(p)}.json")
+        toks = data.get("tokens") if isinstance(data, dict) and data.get("version") == VERSION else None
+        if isinstance(toks, list) and len(toks) >= p.max_new + gamma and all(isinstance(t, int) for t in toks):
+            out[i] = toks[:p.max_new + gamma]
+    return out
+
+
+def write_shared(folder: Path, prompts: list, conts: dict[int, Continuation], made: set[int]) -> int:
+    """The continuations of the prompts in ``made`` into the shared cache (each file atomic); a cache
+    that cannot be written is skipped (the run goes on). How many were written."""
+    from longspec.files.atomic import atomic_write_json
+
+    n = 0
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for i in sorted(made):
+            atomic_write_json(folder / f"{prompt_key(prompts[i])}.json",
+                              {"version": VERSION, "max_new": prompts[i].max_new, "tokens": conts[i].tokens})
+            n += 1
+    except OSError:
+        pass
+    return n
 
 
 def read(path: Path, digest: str, prompts: list, gamma: int) -> dict[int, Continuation] | None:

@@ -148,6 +148,7 @@ class SimTau:
         self.frozen: dict = {}                       # the target's outputs of the held-out rows (chainwalk.chain_counts)
         self.continuations_s: float | None = None    # generating them, in this process (None: reused or not yet)
         self.reused = 0                              # continuations read back (whole file, or the prompts shared)
+        self.cached = 0                              # of them, from the host's shared cache (chainwalk.shared_folder)
         self.redo = False                            # a dropped best: measure the resumed draft at once
         self.target_copy = None                      # a whole copy of the frozen target until the first evaluation
         self.copy_draft = False                      # evaluate a whole copy of the draft (ZeRO-3, when it fits)
@@ -216,8 +217,9 @@ class SimTau:
         """eval's default prompts for this run, and the target's greedy continuations: read back
         when continuations.json holds them (the same prompts, or, prompt by prompt, those a run
         before made with the same target, tokens, new-token limit and stops: another max_steps
-        changes which records were drawn, not a shared prompt's continuation), the rest made now,
-        once. Under ZeRO-3,
+        changes which records were drawn, not a shared prompt's continuation), then from the host's
+        shared cache (any run folder's, by target, dtype and device kind), the rest made now, once,
+        and kept in both. Under ZeRO-3,
         whole copies of the frozen target (for the continuations and the first evaluation) and of
         the draft (each evaluation) are used when they fit (longspec.model.zero.whole_copy)."""
         import torch
@@ -238,28 +240,35 @@ class SimTau:
         path = self.out.dir / runfolder.CONTINUATIONS
         digest = chainwalk.continuation_digest(Path(target), self.prompts)
         target_digest = chainwalk.continuation_digest(Path(target), [])
+        hf = module.target.model
         reused: dict = {}
+        cached: set = set()                               # of them, read from the host's shared cache
         whole = False                                     # continuations.json is this run's already
+        shared = chainwalk.shared_folder(Path(target), str(hf.dtype), device.type) if self.rank == 0 else None
         if self.rank == 0:                                # the same prompts, or those a run before shared
             conts = chainwalk.read(path, digest, self.prompts, self.gamma)
             whole = conts is not None
             reused = {i: c.tokens for i, c in conts.items()} if conts is not None else \
                 chainwalk.read_reusable(path, target_digest, self.prompts, self.gamma)
-        reused = comm.broadcast_object(reused, src=0)
+            from_cache = chainwalk.read_shared(shared, self.prompts, self.gamma, skip=reused)
+            reused, cached = {**reused, **from_cache}, set(from_cache)
+        reused, cached = comm.broadcast_object((reused, cached), src=0)
         missing = [i for i in range(len(self.prompts)) if i not in reused]
-        hf = module.target.model
         shell = meta_shell(lambda: type(hf)(hf.config)) if missing and partitioned(hf) else None
         flags = torch.tensor([0 if missing else 1,
                               int(shell is not None and fits_whole([module.target, module.draft], device)),
                               int(partitioned(module.draft) and fits_whole([module.draft], device))])
         flags = comm.all_reduce(flags, op="min")          # every rank alike
         have, copy_target, self.copy_draft = (bool(f) for f in flags.tolist())
-        self.reused = len(reused)
+        self.reused, self.cached = len(reused), len(cached)
+        keep = set(range(len(self.prompts))) - cached     # what the shared cache does not hold yet
         if have:
             self.conts = {i: chainwalk.Continuation(t, chainwalk.stop_end(t, p.max_new, p.stops))
                           for i, (p, t) in enumerate(zip(self.prompts, (reused[i] for i in range(len(self.prompts)))))}
             if self.rank == 0 and not whole:              # reused prompt by prompt: the file names this run's
                 chainwalk.write(path, digest, self.gamma, self.prompts, self.conts, 0.0, target_digest)
+            if self.rank == 0 and keep:
+                chainwalk.write_shared(shared, self.prompts, self.conts, keep)
             return
         t0 = time.time()
         if copy_target:
@@ -276,6 +285,7 @@ class SimTau:
         self.continuations_s = time.time() - t0
         if self.rank == 0:
             chainwalk.write(path, digest, self.gamma, self.prompts, self.conts, self.continuations_s, target_digest)
+            chainwalk.write_shared(shared, self.prompts, self.conts, keep)
 
     def _parts(self, session) -> SimpleNamespace:
         """The target and draft one evaluation runs: the whole copies where _prepare chose them."""
@@ -386,7 +396,7 @@ class SimTau:
         if self.rank == 0:
             # the first evaluation builds the prompts and makes (or reads back) the continuations
             extra = {"continuations_s": round(t1 - t0, 3), "continuations_made": self.continuations_s is not None,
-                     "continuations_reused": self.reused} if first else {}
+                     "continuations_reused": self.reused, "continuations_cached": self.cached} if first else {}
             self.out.record({**record, **extra, "eval_s": round(now - t1, 3), "every": self.gap,
                              "share": round(share, 4)})
             from longspec.training.rank import print0

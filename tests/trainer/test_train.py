@@ -156,9 +156,9 @@ def shm_left(proc: subprocess.CompletedProcess) -> list[str]:
     return sorted(p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
 
 
-def direct(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+def direct(cwd: Path, *args: str, extra_env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m longspec.train ...` without a launcher (a world of one)."""
-    return subprocess.run([PY, "-m", "longspec.train", *args], cwd=cwd, env=env(),
+    return subprocess.run([PY, "-m", "longspec.train", *args], cwd=cwd, env={**env(), **(extra_env or {})},
                           capture_output=True, text=True, timeout=300)
 
 
@@ -564,8 +564,11 @@ def test_kill_9_mid_stage_then_resume_ends_like_an_uninterrupted_run(base_run, t
             assert best == best_before
     else:
         assert "dropped" in proc.stdout and best["step"] >= resumed_at
-    # the continuations were made once, before the kill, and read back by the resumed run
-    assert [r.get("continuations_made") for r in recs if "continuations_s" in r] == [True, False]
+    # the continuations were made once (or read from the host's shared cache: the base run's), before
+    # the kill, and read back by the resumed run from its run folder
+    firsts = [r for r in recs if "continuations_s" in r]
+    assert len(firsts) == 2 and (firsts[0]["continuations_made"] or firsts[0]["continuations_cached"])
+    assert not firsts[1]["continuations_made"] and firsts[1]["continuations_cached"] == 0
     ref = {r["step"]: r["tau"] for r in runfolder.read_metrics(base_run["run"] / "metrics.jsonl").simtau}
     assert {r["step"]: r["tau"] for r in recs if r["step"] > resumed_at} == pytest.approx(
         {s: t for s, t in ref.items() if s > resumed_at}, abs=2e-3)
@@ -608,8 +611,9 @@ def test_a_longer_max_steps_resumes_with_the_stretched_schedule_and_never_for_lo
 def test_tau_while_training_stays_within_its_share_and_a_rerun_reuses_the_continuations(tiny, tmp_path):
     conf = write_project(tmp_path, tiny)
     run = tmp_path / "runs" / "base"
+    cache = {"LONGSPEC_CACHE_DIR": str(tmp_path / "cache")}     # the host's shared cache, fresh
     args = ("--config-dir", str(conf), "+exp=base", "eval_steps=1")
-    spaced = direct(tmp_path, *args, "max_steps=6", "eval_share=0.001")   # a walk outweighs 1000 steps here
+    spaced = direct(tmp_path, *args, "max_steps=6", "eval_share=0.001", extra_env=cache)   # a walk outweighs 1000 steps
     assert spaced.returncode == 0, show(spaced)
     assert "stays within 0% of the stage's time (eval_share" in spaced.stdout
     assert re.search(r"tau every \d+ steps from here: an evaluation walks [\d.]+ s", spaced.stdout), show(spaced)
@@ -617,11 +621,22 @@ def test_tau_while_training_stays_within_its_share_and_a_rerun_reuses_the_contin
     # untimed, a regular walk is bounded by the first one (the target over the held-out rows too):
     # none between the stage's two, its start and its end
     assert [r["step"] for r in recs] == [0, 6]
+    assert recs[0]["continuations_made"] is True and recs[0]["continuations_cached"] == 0
     assert recs[-1]["every"] > 6 and 0 < recs[-1]["share"] < 1
     assert "tau while training took" in spaced.stdout
     made = json.loads((run / "continuations.json").read_text())
+    (shared,) = (tmp_path / "cache" / "continuations").iterdir()
+    assert sorted(f.stem for f in shared.glob("*.json")) == sorted({p["key"] for p in made["prompts"]})
+    # another run folder, the same stage: every continuation read from the shared cache, none made,
+    # and the same tau at step 0 (the same fresh draft on the same prompts)
+    other = direct(tmp_path, *args, "max_steps=6", "eval_share=0.001", f"output_dir={tmp_path / 'other'}",
+                   extra_env=cache)
+    assert other.returncode == 0, show(other)
+    first = runfolder.read_metrics(tmp_path / "other" / "metrics.jsonl").simtau[0]
+    assert not first["continuations_made"] and first["continuations_cached"] == first["prompts"] == len(made["prompts"])
+    assert first["tau"] == recs[0]["tau"]
     # another max_steps, every step as set: the continuations are read back, not made again
-    rerun = direct(tmp_path, *args, "max_steps=8", "eval_share=0", "force=true")
+    rerun = direct(tmp_path, *args, "max_steps=8", "eval_share=0", "force=true", extra_env=cache)
     assert rerun.returncode == 0, show(rerun)
     assert "every 1 steps (eval_share 0: as set)" in rerun.stdout
     recs = runfolder.read_metrics(run / "metrics.jsonl").simtau
@@ -695,7 +710,8 @@ def assert_simtau(run: Path, steps: list[int]) -> list[dict]:
         assert r["prompts"] == len(conts["prompts"]) > 0 and r["blocks"] >= r["prompts"]
         assert len(r["alpha"]) == r["gamma"] == 4 and all(0 <= a <= 1 for a in r["alpha"])
         assert 1 <= r["tau"] <= 5 and sum(b["prompts"] for b in r["by_length"]) == r["prompts"]
-    assert recs[0]["continuations_made"] is True and all("continuations_s" not in r for r in recs[1:])
+    assert recs[0]["continuations_made"] or recs[0]["continuations_cached"] == recs[0]["prompts"]   # made once
+    assert all("continuations_s" not in r for r in recs[1:])
     for c in conts["prompts"]:
         assert len(c["tokens"]) == c["max_new"] + 4 and 1 <= c["end"] <= c["max_new"]
     best = runfolder.RunDir(run).best()
