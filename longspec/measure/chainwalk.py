@@ -366,6 +366,8 @@ def shared_folder(target: Path, dtype: str, device: str) -> Path:
 
     h = hashlib.sha256(f"chainwalk {VERSION}\n{dtype}\n{device}\n".encode())
     h.update(continuation_digest(target, []).encode())
+    if not Path(target).is_dir():                     # a hub name: nothing to read, the name tells targets apart
+        h.update(str(target).encode())
     for f in sorted(Path(target).iterdir()) if Path(target).is_dir() else ():
         if f.suffix in _WEIGHT_SUFFIXES:
             h.update(f"{f.name}\0{f.stat().st_mtime_ns}".encode())
