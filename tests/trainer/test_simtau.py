@@ -289,3 +289,35 @@ def test_continuations_are_reused_prompt_by_prompt_for_the_same_target(tmp_path)
     assert chainwalk.read_reusable(path, key, [longer], 1) == {}                  # another new-token limit
     (target / "config.json").write_text('{"model_type": "qwen2", "hidden_size": 8}')
     assert chainwalk.read_reusable(path, chainwalk.continuation_digest(target, []), [a], 2) == {}  # another target
+
+
+def test_the_shared_continuation_cache_by_target_dtype_and_device_and_what_it_refuses(tmp_path, monkeypatch):
+    import os
+
+    from longspec.measure.prompts import Prompt
+
+    monkeypatch.setenv("LONGSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    (target / "model.safetensors").write_bytes(b"0" * 64)
+    folder = chainwalk.shared_folder(target, "torch.float32", "cpu")
+    assert folder != chainwalk.shared_folder(target, "torch.bfloat16", "cpu") != chainwalk.shared_folder(
+        target, "torch.float32", "cuda")
+    prompts = [Prompt([5, 6, 7], "f:1", "chat", max_new=4), Prompt([8, 9], "f:2", "chat", max_new=4),
+               Prompt([1, 2, 3, 4], "f:3", "chat", max_new=4)]
+    conts = {i: chainwalk.Continuation(list(range(10, 18)), 4) for i in range(3)}
+    assert chainwalk.write_shared(folder, prompts, conts, {0, 1, 2}) == 3
+    assert chainwalk.read_shared(folder, prompts, gamma=4) == {i: list(range(10, 18)) for i in range(3)}
+    assert chainwalk.read_shared(folder, prompts, gamma=5) == {}                   # too short for gamma 5
+    assert set(chainwalk.read_shared(folder, prompts, gamma=4, skip={1})) == {0, 2}
+    (folder / f"{chainwalk.prompt_key(prompts[0])}.json").write_text('{"version": 1, "tokens": [1, "x"]}')
+    (folder / f"{chainwalk.prompt_key(prompts[2])}.json").write_text('{"version": 1, "tok')   # a torn file
+    assert set(chainwalk.read_shared(folder, prompts, gamma=4)) == {1}
+    # weights rewritten in place (same size, another mtime) are another target
+    os.utime(target / "model.safetensors", ns=(1, 1))
+    assert chainwalk.shared_folder(target, "torch.float32", "cpu") != folder
+    # a cache that cannot be written is skipped
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file, not a folder")
+    assert chainwalk.write_shared(blocked / "x", prompts, conts, {0}) == 0
