@@ -8,8 +8,9 @@ the cost of a step and of an evaluation depends on the shape, not on what the we
 tiny preset's stage data, scaffolds a project with `longspec init --target` (sized to this machine,
 as a user gets it), runs one stage with `longspec run` (KEY=VALUE overrides pass through, e.g.
 max_steps=40) and prints what tau while training cost: the evaluations' and the continuations'
-seconds (metrics.jsonl) over the stage's wall time and the trainer's loop. A second run of the same
-stage (--again) shows the reused continuations.
+seconds (metrics.jsonl) over the stage's wall time and the trainer's loop, and where the
+continuations came from (made, read back from the run folder, read from the host's cache). A second
+run of the same stage (--again) shows them reused.
 """
 from __future__ import annotations
 
@@ -75,7 +76,9 @@ def cost(run: Path) -> dict:
     ev = sum(float(r.get("eval_s", 0)) for r in log.simtau)
     co = sum(float(r.get("continuations_s", 0)) for r in log.simtau)
     steps = [r["step"] for r in log.simtau]
+    first = next((r for r in log.simtau if "continuations_s" in r), {})
     return {"evaluations": len(steps), "steps": steps, "eval_s": round(ev, 1), "continuations_s": round(co, 1),
+            "continuations": {k: first.get(f"continuations_{k}") for k in ("made", "reused", "cached")},
             "wall_s": round(wall, 1), "loop_s": round(loop, 1), "share_of_stage": round((ev + co) / wall, 4),
             "share_of_loop": round((ev + co) / loop, 4), "taus": [round(float(r["tau"]), 4) for r in log.simtau]}
 
