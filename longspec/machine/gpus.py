@@ -6,13 +6,15 @@ Read by `run` (how many ranks a node takes), `eval` (the free memory of the GPU 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
 
 MIB = 1024 ** 2
 # Dense bf16 tensor-core rates (TFLOP/s, without sparsity) from NVIDIA's data sheets, matched in order
-# against nvidia-smi's name (the more specific names first): what `init` prices a GPU step with.
+# against nvidia-smi's name as whole words (the more specific names first; `RTX A1000` is no A100):
+# what `init` prices a GPU step with.
 LISTED_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200 NVL", 835.0), ("H800 PCIe", 756.0),
                       ("GH200", 989.0), ("H200", 989.0), ("H100", 989.0), ("H800", 989.0), ("GB200", 2500.0),
                       ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0))
@@ -28,7 +30,8 @@ class Gpu:
 
 def listed_bf16_tflops(name: str) -> float | None:
     """The data sheet's dense bf16 rate of a GPU by its nvidia-smi name; None for one not listed."""
-    return next((rate for key, rate in LISTED_BF16_TFLOPS if key in name), None)
+    return next((rate for key, rate in LISTED_BF16_TFLOPS
+                 if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", name, re.I)), None)
 
 
 def detect_gpus(env: dict[str, str] | None = None, timeout: float = 10.0) -> list[Gpu]:

@@ -357,14 +357,21 @@ def read_reusable(path: Path, target_digest: str, prompts: list, gamma: int) -> 
 
 # ----------------------------------------------------------------------------- the shared cache
 
-def shared_folder(target: Path, dtype: str, device: str) -> Path:
+def shared_folder(target: Path, dtype: str, device: str, attention: str = "") -> Path:
     """Where any run on this host keeps the target's continuations, one file per prompt key: under
     longspec's cache root (files.atomic.cache_root), by the target (config, tokenizer files, weight
-    files' names, sizes and modification times: weights rewritten in place are another target),
-    the dtype it decodes in and the device kind (greedy tokens can differ between them)."""
+    files' names, sizes and modification times: weights rewritten in place are another target)
+    and by what its greedy tokens can differ with: the dtype it decodes in, the device (its kind
+    and, on a GPU, its name: a cache under a shared home serves nodes with other GPUs too), the
+    attention implementation, and the torch and transformers versions."""
+    import torch
+    import transformers
+
     from longspec.files.atomic import cache_root
 
-    h = hashlib.sha256(f"chainwalk {VERSION}\n{dtype}\n{device}\n".encode())
+    gpu = torch.cuda.get_device_name() if device == "cuda" and torch.cuda.is_available() else ""
+    h = hashlib.sha256(f"chainwalk {VERSION}\n{dtype}\n{device}\n{gpu}\n{attention}\n{torch.__version__}\n"
+                       f"{transformers.__version__}\n".encode())
     h.update(continuation_digest(target, []).encode())
     if not Path(target).is_dir():                     # a hub name: nothing to read, the name tells targets apart
         h.update(str(target).encode())
@@ -390,8 +397,9 @@ def read_shared(folder: Path, prompts: list, gamma: int, skip=()) -> dict[int, l
     return out
 
 
-def write_shared(folder: Path, prompts: list, conts: dict[int, Continuation], made: set[int]) -> int:
-    """The continuations of the prompts in ``made`` into the shared cache (each file atomic); a cache
+def write_shared(folder: Path, prompts: list, conts: dict[int, Continuation], made) -> int:
+    """The continuations of the prompts in ``made`` (those this run decoded) into the shared cache,
+    each file atomic; a key the cache holds already, as long and readable, is left as it is; a cache
     that cannot be written is skipped (the run goes on). How many were written."""
     from longspec.files.atomic import atomic_write_json
 
@@ -399,6 +407,8 @@ def write_shared(folder: Path, prompts: list, conts: dict[int, Continuation], ma
     try:
         folder.mkdir(parents=True, exist_ok=True)
         for i in sorted(made):
+            if read_shared(folder, [prompts[i]], len(conts[i].tokens) - prompts[i].max_new):
+                continue                               # held already, as long
             atomic_write_json(folder / f"{prompt_key(prompts[i])}.json",
                               {"version": VERSION, "max_new": prompts[i].max_new, "tokens": conts[i].tokens})
             n += 1

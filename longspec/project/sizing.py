@@ -148,15 +148,16 @@ def size_stages(stages: dict[str, dict], size: ModelSize | None, m: Machine, *, 
     why = m.text()
     if full:
         return _priced(Sizing("recipe", m.gpus or 8, notes=[f"sizes: the recipe's (--full-size); machine: {why}"]),
-                       stages, size, m, nodes)
+                       stages, size, m, nodes, precision)
     if m.gpus and (m.declared or size is None):
-        return _priced(Sizing("recipe", m.gpus, notes=[f"sizes: the recipe's; machine: {why}"]), stages, size, m, nodes)
+        return _priced(Sizing("recipe", m.gpus, notes=[f"sizes: the recipe's; machine: {why}"]),
+                       stages, size, m, nodes, precision)
     if not m.gpus:
         if params is None or params > CPU_MAX_PARAMS:
             what = "an unknown size" if params is None else f"{params / 1e9:.1f}B parameters"
             return _priced(Sizing("recipe", 8, notes=[
                 f"sizes: the recipe's for 8 GPUs: the target ({what}) is not trained on a CPU; machine: {why} "
-                "(`--gpus N` says the GPUs it will run on)"]), stages, size, m, nodes)
+                "(`--gpus N` says the GPUs it will run on)"]), stages, size, m, nodes, precision)
         if m.gflops is None and m.measure:
             m = replace(m, gflops=matmul_gflops())
         return _cpu(stages, size, m, context)
@@ -165,14 +166,15 @@ def size_stages(stages: dict[str, dict], size: ModelSize | None, m: Machine, *, 
     if all(p <= cap for p in peaks.values()):
         return _priced(Sizing("recipe", m.gpus, notes=[
             f"sizes: the recipe's: the memory estimate fits {why} (peak {max(peaks.values()) / GiB:.1f} GiB)"]),
-            stages, size, m, nodes)
-    return _priced(_gpu(stages, size, m, precision, nodes, cap), stages, size, m, nodes)
+            stages, size, m, nodes, precision)
+    return _priced(_gpu(stages, size, m, precision, nodes, cap), stages, size, m, nodes, precision)
 
 
-def _priced(out: Sizing, stages: dict[str, dict], size: ModelSize | None, m: Machine, nodes: int) -> Sizing:
-    """`out` with a cost line per GPU stage: tokens per optimizer step and, on a GPU whose bf16 rate is
-    listed (longspec.machine.gpus), a step's rough time at GPU_EFFICIENCY of it and the stage's
-    (per 1,000 steps for a whole-epoch stage, whose steps the data's size sets)."""
+def _priced(out: Sizing, stages: dict[str, dict], size: ModelSize | None, m: Machine, nodes: int,
+            precision: str) -> Sizing:
+    """`out` with a cost line per GPU stage: tokens per optimizer step and, for a bf16 or fp16 stage on
+    a GPU whose rate is listed (longspec.machine.gpus), a step's rough time at GPU_EFFICIENCY of it
+    and the stage's (per 1,000 steps for a whole-epoch stage, whose steps the data's size sets)."""
     from longspec.machine.gpus import listed_bf16_tflops
 
     world = out.gpus * nodes
@@ -181,17 +183,18 @@ def _priced(out: Sizing, stages: dict[str, dict], size: ModelSize | None, m: Mac
         sd = {**sd, **out.stages.get(name, {})}
         seq, micro = int(sd["max_seq_length"]), int(sd["per_gpu_train_batch_size"])
         accum, steps = int(sd.get("gradient_accumulation_steps") or 1), int(sd.get("max_steps") or 0)
-        tokens = seq * micro * accum * max(1, world // _sp(sd))
-        line = f"{name} cost: {tokens:,} tokens a step ({seq} x {micro} x {accum} accumulation x {world // _sp(sd)} " \
-               f"data-parallel)"
-        if size is not None and rate:
+        dp = max(1, world // _sp(sd))                     # sequence-parallel ranks share a sequence
+        tokens = seq * micro * accum * dp
+        line = f"{name} cost: {tokens:,} tokens a step ({seq} x {micro} x {accum} accumulation x {dp} data-parallel)"
+        if size is not None and rate and precision in ("bf16", "fp16"):
             step_s = tokens * flops_per_token(size, seq) / (world * rate * 1e12 * GPU_EFFICIENCY)
             span = f"{steps} steps ~{_hours(steps * step_s)}" if steps else f"~{_hours(1000 * step_s)} per 1,000 steps"
             line += (f", ~{step_s:.1f} s a step on {m.gpu_name} ({rate:.0f} TFLOP/s listed, {GPU_EFFICIENCY:.0%} "
                      f"of it reached), {span}")
         else:
-            line += ", time not estimated (" + ("the target's size is unknown" if size is None else
-                                                "no GPU here whose rate is listed") + ")"
+            why = ("the target's size is unknown" if size is None else "no GPU here whose rate is listed" if not rate
+                   else f"{precision}: only bf16 and fp16 rates are listed")
+            line += f", time not estimated ({why})"
         if not steps:
             line += "; a whole epoch: `longspec prepare` counts its steps"
         out.notes.append(line)

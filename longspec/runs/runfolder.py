@@ -209,7 +209,7 @@ def read_json(path: str | os.PathLike) -> tuple[dict | None, str | None]:
         raw = p.read_bytes()
     except FileNotFoundError:
         return None, None
-    except (IsADirectoryError, PermissionError) as e:
+    except OSError as e:                          # a folder, no permission, a file where a folder was, I/O
         return None, f"{p}: cannot read ({e.strerror or e})"
     try:
         obj = json.loads(raw)

@@ -244,7 +244,8 @@ class SimTau:
         reused: dict = {}
         cached: set = set()                               # of them, read from the host's shared cache
         whole = False                                     # continuations.json is this run's already
-        shared = chainwalk.shared_folder(Path(target), str(hf.dtype), device.type) if self.rank == 0 else None
+        shared = chainwalk.shared_folder(Path(target), str(hf.dtype), device.type,
+                                         str(getattr(hf.config, "_attn_implementation", ""))) if self.rank == 0 else None
         if self.rank == 0:                                # the same prompts, or those a run before shared
             conts = chainwalk.read(path, digest, self.prompts, self.gamma)
             whole = conts is not None
@@ -261,14 +262,11 @@ class SimTau:
         flags = comm.all_reduce(flags, op="min")          # every rank alike
         have, copy_target, self.copy_draft = (bool(f) for f in flags.tolist())
         self.reused, self.cached = len(reused), len(cached)
-        keep = set(range(len(self.prompts))) - cached     # what the shared cache does not hold yet
         if have:
             self.conts = {i: chainwalk.Continuation(t, chainwalk.stop_end(t, p.max_new, p.stops))
                           for i, (p, t) in enumerate(zip(self.prompts, (reused[i] for i in range(len(self.prompts)))))}
             if self.rank == 0 and not whole:              # reused prompt by prompt: the file names this run's
                 chainwalk.write(path, digest, self.gamma, self.prompts, self.conts, 0.0, target_digest)
-            if self.rank == 0 and keep:
-                chainwalk.write_shared(shared, self.prompts, self.conts, keep)
             return
         t0 = time.time()
         if copy_target:
@@ -285,7 +283,7 @@ class SimTau:
         self.continuations_s = time.time() - t0
         if self.rank == 0:
             chainwalk.write(path, digest, self.gamma, self.prompts, self.conts, self.continuations_s, target_digest)
-            chainwalk.write_shared(shared, self.prompts, self.conts, keep)
+            chainwalk.write_shared(shared, self.prompts, self.conts, missing)   # what this run decoded
 
     def _parts(self, session) -> SimpleNamespace:
         """The target and draft one evaluation runs: the whole copies where _prepare chose them."""
@@ -340,8 +338,8 @@ class SimTau:
                 from longspec.training.rank import print0
 
                 print0(f"[{session.conf['stage']}] tau at step {step} deferred: tau took {self.spent:.1f} s of the "
-                       f"stage's {now - self.began:.1f} s so far, over its {self.share:.0%} (eval_share) until "
-                       f"about step {self.last_step + need[1]}")
+                       f"stage's {now - self.began:.1f} s so far; with the next walk (~{walk:.1f} s) it would be "
+                       f"over its {self.share:.0%} (eval_share) until about step {self.last_step + need[1]}")
             self.owing = True
             return False
         self.owing = False

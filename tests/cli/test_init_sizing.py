@@ -113,5 +113,6 @@ def test_a_gpus_listed_rate_is_read_from_its_nvidia_smi_name_the_specific_name_f
     names = {"NVIDIA H100 80GB HBM3": 989.0, "NVIDIA H100 PCIe": 756.0, "NVIDIA H100 NVL": 835.0,
              "NVIDIA H200": 989.0, "NVIDIA H200 NVL": 835.0, "NVIDIA GH200 480GB": 989.0,
              "NVIDIA A100-SXM4-80GB": 312.0, "NVIDIA L40S": 362.0, "NVIDIA B200": 2250.0,
-             "NVIDIA L4": None, "NVIDIA GeForce RTX 4090": None, "Tesla V100-SXM2-32GB": None}
+             "NVIDIA L4": None, "NVIDIA GeForce RTX 4090": None, "Tesla V100-SXM2-32GB": None,
+             "NVIDIA RTX A1000": None, "NVIDIA H20": None}
     assert {n: listed_bf16_tflops(n) for n in names} == names

@@ -219,7 +219,7 @@ def test_a_resume_from_before_the_best_step_drops_that_best_draft(tmp_path):
         dist.destroy_process_group()
 
 
-def test_a_regular_evaluation_waits_until_the_first_ones_cost_is_earned_back(tmp_path, capsys):
+def test_a_regular_evaluation_waits_until_the_first_ones_cost_is_earned_back(tmp_path, capsys, monkeypatch):
     """The account rule: the first evaluation took 2 s (continuations, the target over the held-out
     rows); at 5 % a regular one waits until the stage has run 40 s, though the pace (a 0.05 s walk
     against 0.2 s steps) would allow one every 5 steps."""
@@ -232,14 +232,16 @@ def test_a_regular_evaluation_waits_until_the_first_ones_cost_is_earned_back(tmp
     conf = {"eval_steps": 5, "eval_gamma": 4, "per_gpu_train_batch_size": 2, "eval_tokens": 300, "eval_share": 0.05}
     s = simtau.SimTau(conf, _Prepared([100] * 20), RunWriter(tmp_path / "run"), 0, 1, resumed=False)
     session = type("S", (), {"conf": {"stage": "base"}})()
+    now = clock.time()
+    monkeypatch.setattr(simtau, "time", type("Clock", (), {"time": staticmethod(lambda: now)}))   # no drift
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
-        now = clock.time()
         s.spent, s.first_walk_s, s.last_step = 2.0, 0.05, 0
         s.began, s.last_end = now - 10, now - 8                     # 10 s of stage, 40 steps of 0.2 s
         assert not s._spaced(session, 40) and s.gap == 5
         out = capsys.readouterr().out
-        assert "[base] tau at step 40 deferred: tau took 2.0 s of the stage's 10.0 s so far, over its 5%" in out
+        assert "[base] tau at step 40 deferred: tau took 2.0 s of the stage's 10.0 s so far; with the next walk " \
+               "(~0.1 s) it would be over its 5% (eval_share)" in out
         assert "until about step 195" in out                       # 31 s more of 0.2 s steps
         assert not s._spaced(session, 45) and "deferred" not in capsys.readouterr().out   # said once
         s.began = now - 50                                          # 50 s in: 2.05 s is within 5 %
@@ -321,3 +323,6 @@ def test_the_shared_continuation_cache_by_target_dtype_and_device_and_what_it_re
     blocked = tmp_path / "blocked"
     blocked.write_text("a file, not a folder")
     assert chainwalk.write_shared(blocked / "x", prompts, conts, {0}) == 0
+    assert chainwalk.read_shared(blocked / "x", prompts, gamma=4) == {}             # nor read: missing
+    assert chainwalk.write_shared(folder, prompts, conts, {0, 1, 2}) == 2          # the two broken ones mended
+    assert set(chainwalk.read_shared(folder, prompts, gamma=4)) == {0, 1, 2}
