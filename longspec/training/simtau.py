@@ -148,7 +148,7 @@ class SimTau:
         self.frozen: dict = {}                       # the target's outputs of the held-out rows (chainwalk.chain_counts)
         self.continuations_s: float | None = None    # generating them, in this process (None: reused or not yet)
         self.reused = 0                              # continuations read back (whole file, or the prompts shared)
-        self.cached = 0                              # of them, from the host's shared cache (chainwalk.shared_folder)
+        self.cached = 0                              # of them, from the host's shared cache (longspec.measure.contcache)
         self.redo = False                            # a dropped best: measure the resumed draft at once
         self.target_copy = None                      # a whole copy of the frozen target until the first evaluation
         self.copy_draft = False                      # evaluate a whole copy of the draft (ZeRO-3, when it fits)
@@ -224,7 +224,7 @@ class SimTau:
         the draft (each evaluation) are used when they fit (longspec.model.zero.whole_copy)."""
         import torch
 
-        from longspec.measure import chainwalk
+        from longspec.measure import chainwalk, contcache
         from longspec.model import comm
         from longspec.model.zero import fits_whole, meta_shell, partitioned
 
@@ -244,14 +244,14 @@ class SimTau:
         reused: dict = {}
         cached: set = set()                               # of them, read from the host's shared cache
         whole = False                                     # continuations.json is this run's already
-        shared = chainwalk.shared_folder(Path(target), str(hf.dtype), device.type,
+        shared = contcache.shared_folder(Path(target), str(hf.dtype), device.type,
                                          str(getattr(hf.config, "_attn_implementation", ""))) if self.rank == 0 else None
         if self.rank == 0:                                # the same prompts, or those a run before shared
             conts = chainwalk.read(path, digest, self.prompts, self.gamma)
             whole = conts is not None
             reused = {i: c.tokens for i, c in conts.items()} if conts is not None else \
                 chainwalk.read_reusable(path, target_digest, self.prompts, self.gamma)
-            from_cache = chainwalk.read_shared(shared, self.prompts, self.gamma, skip=reused)
+            from_cache = contcache.read_shared(shared, self.prompts, self.gamma, skip=reused)
             reused, cached = {**reused, **from_cache}, set(from_cache)
         reused, cached = comm.broadcast_object((reused, cached), src=0)
         missing = [i for i in range(len(self.prompts)) if i not in reused]
@@ -283,7 +283,7 @@ class SimTau:
         self.continuations_s = time.time() - t0
         if self.rank == 0:
             chainwalk.write(path, digest, self.gamma, self.prompts, self.conts, self.continuations_s, target_digest)
-            chainwalk.write_shared(shared, self.prompts, self.conts, missing)   # what this run decoded
+            contcache.write_shared(shared, self.prompts, self.conts, missing)   # what this run decoded
 
     def _parts(self, session) -> SimpleNamespace:
         """The target and draft one evaluation runs: the whole copies where _prepare chose them."""

@@ -296,6 +296,7 @@ def test_continuations_are_reused_prompt_by_prompt_for_the_same_target(tmp_path)
 def test_the_shared_continuation_cache_by_target_dtype_and_device_and_what_it_refuses(tmp_path, monkeypatch):
     import os
 
+    from longspec.measure import contcache
     from longspec.measure.prompts import Prompt
 
     monkeypatch.setenv("LONGSPEC_CACHE_DIR", str(tmp_path / "cache"))
@@ -303,26 +304,26 @@ def test_the_shared_continuation_cache_by_target_dtype_and_device_and_what_it_re
     target.mkdir()
     (target / "config.json").write_text("{}")
     (target / "model.safetensors").write_bytes(b"0" * 64)
-    folder = chainwalk.shared_folder(target, "torch.float32", "cpu")
-    assert folder != chainwalk.shared_folder(target, "torch.bfloat16", "cpu") != chainwalk.shared_folder(
+    folder = contcache.shared_folder(target, "torch.float32", "cpu")
+    assert folder != contcache.shared_folder(target, "torch.bfloat16", "cpu") != contcache.shared_folder(
         target, "torch.float32", "cuda")
     prompts = [Prompt([5, 6, 7], "f:1", "chat", max_new=4), Prompt([8, 9], "f:2", "chat", max_new=4),
                Prompt([1, 2, 3, 4], "f:3", "chat", max_new=4)]
     conts = {i: chainwalk.Continuation(list(range(10, 18)), 4) for i in range(3)}
-    assert chainwalk.write_shared(folder, prompts, conts, {0, 1, 2}) == 3
-    assert chainwalk.read_shared(folder, prompts, gamma=4) == {i: list(range(10, 18)) for i in range(3)}
-    assert chainwalk.read_shared(folder, prompts, gamma=5) == {}                   # too short for gamma 5
-    assert set(chainwalk.read_shared(folder, prompts, gamma=4, skip={1})) == {0, 2}
+    assert contcache.write_shared(folder, prompts, conts, {0, 1, 2}) == 3
+    assert contcache.read_shared(folder, prompts, gamma=4) == {i: list(range(10, 18)) for i in range(3)}
+    assert contcache.read_shared(folder, prompts, gamma=5) == {}                   # too short for gamma 5
+    assert set(contcache.read_shared(folder, prompts, gamma=4, skip={1})) == {0, 2}
     (folder / f"{chainwalk.prompt_key(prompts[0])}.json").write_text('{"version": 1, "tokens": [1, "x"]}')
     (folder / f"{chainwalk.prompt_key(prompts[2])}.json").write_text('{"version": 1, "tok')   # a torn file
-    assert set(chainwalk.read_shared(folder, prompts, gamma=4)) == {1}
+    assert set(contcache.read_shared(folder, prompts, gamma=4)) == {1}
     # weights rewritten in place (same size, another mtime) are another target
     os.utime(target / "model.safetensors", ns=(1, 1))
-    assert chainwalk.shared_folder(target, "torch.float32", "cpu") != folder
+    assert contcache.shared_folder(target, "torch.float32", "cpu") != folder
     # a cache that cannot be written is skipped
     blocked = tmp_path / "blocked"
     blocked.write_text("a file, not a folder")
-    assert chainwalk.write_shared(blocked / "x", prompts, conts, {0}) == 0
-    assert chainwalk.read_shared(blocked / "x", prompts, gamma=4) == {}             # nor read: missing
-    assert chainwalk.write_shared(folder, prompts, conts, {0, 1, 2}) == 2          # the two broken ones mended
-    assert set(chainwalk.read_shared(folder, prompts, gamma=4)) == {0, 1, 2}
+    assert contcache.write_shared(blocked / "x", prompts, conts, {0}) == 0
+    assert contcache.read_shared(blocked / "x", prompts, gamma=4) == {}             # nor read: missing
+    assert contcache.write_shared(folder, prompts, conts, {0, 1, 2}) == 2          # the two broken ones mended
+    assert set(contcache.read_shared(folder, prompts, gamma=4)) == {0, 1, 2}
