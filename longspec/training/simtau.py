@@ -12,7 +12,7 @@ before them, so its default prompts come from these never-drawn records first.
 When: at step 0, at the last step, and every `eval_steps` optimizer steps at the closest, spaced
 further so that tau stays within `eval_share` of the stage's time (default 5%). Two rules, the
 stricter wins: the pace (each walk is timed, not the first, which also ran the target over the
-held-out rows the later walks reuse and bounds them until one is timed; a regular evaluation waits
+held-out rows the later walks reuse, so the next one is timed instead; a regular evaluation waits
 until the steps since the last one took long enough for it), and the account (a regular
 evaluation waits until everything tau spent, the continuations and the first walk included, is
 within its share of the stage's time so far; the log says when one is deferred). Every rank
@@ -122,7 +122,6 @@ class SimTau:
         self.last_step: int | None = None            # the last evaluation's step, and when it ended
         self.last_end = 0.0
         self.walk_s: float | None = None             # the last evaluation's walk (what spaces the next ones)
-        self.first_walk_s = 0.0                      # the first walk (the target's held-out rows too): a bound
         self.owing = False                           # a regular evaluation is deferred until tau's account allows
         self.spent = 0.0                             # every evaluation's seconds, continuations included
         self.began: float | None = None
@@ -321,7 +320,7 @@ class SimTau:
 
         now, since = time.time(), step - self.last_step
         step_s = max((now - self.last_end) / max(since, 1), 1e-9)
-        walk = self.walk_s if self.walk_s is not None else self.first_walk_s     # untimed: the first's, at most
+        walk = self.walk_s or 0.0          # untimed (the first walk also ran the target): the next one is timed
         pace = math.ceil(walk * (1 - self.share) / (self.share * step_s))
         owed = (self.spent + walk) / self.share - walk - (now - self.began)      # training seconds still to earn
         account = since + math.ceil(owed / step_s) if owed > 0 else 0
@@ -337,9 +336,10 @@ class SimTau:
             if not self.owing and self.rank == 0:
                 from longspec.training.rank import print0
 
+                over = f"; with the next walk (~{walk:.1f} s) it would be over" if walk else ", over"
                 print0(f"[{session.conf['stage']}] tau at step {step} deferred: tau took {self.spent:.1f} s of the "
-                       f"stage's {now - self.began:.1f} s so far; with the next walk (~{walk:.1f} s) it would be "
-                       f"over its {self.share:.0%} (eval_share) until about step {self.last_step + need[1]}")
+                       f"stage's {now - self.began:.1f} s so far{over} its {self.share:.0%} (eval_share) until about "
+                       f"step {self.last_step + need[1]}")
             self.owing = True
             return False
         self.owing = False
@@ -388,8 +388,6 @@ class SimTau:
         # a walk that also ran the target over the held-out rows (kept for the later ones) does not
         # say what the next ones cost: the next regular evaluation is timed instead
         self.walk_s = None if fills and self.frozen.get("keep") else now - t1
-        if fills:
-            self.first_walk_s = now - t1
         share = self.spent / max(now - self.began, 1e-9)
         if self.rank == 0:
             # the first evaluation builds the prompts and makes (or reads back) the continuations

@@ -236,7 +236,7 @@ def test_a_regular_evaluation_waits_until_the_first_ones_cost_is_earned_back(tmp
     monkeypatch.setattr(simtau, "time", type("Clock", (), {"time": staticmethod(lambda: now)}))   # no drift
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
-        s.spent, s.first_walk_s, s.last_step = 2.0, 0.05, 0
+        s.spent, s.walk_s, s.last_step = 2.0, 0.05, 0
         s.began, s.last_end = now - 10, now - 8                     # 10 s of stage, 40 steps of 0.2 s
         assert not s._spaced(session, 40) and s.gap == 5
         out = capsys.readouterr().out
@@ -245,6 +245,10 @@ def test_a_regular_evaluation_waits_until_the_first_ones_cost_is_earned_back(tmp
         assert "until about step 195" in out                       # 31 s more of 0.2 s steps
         assert not s._spaced(session, 45) and "deferred" not in capsys.readouterr().out   # said once
         s.began = now - 50                                          # 50 s in: 2.05 s is within 5 %
+        assert s._spaced(session, 40)
+        s.walk_s, s.began = None, now - 10        # untimed (the first walk also ran the target): the account alone
+        assert not s._spaced(session, 40) and s.gap == 5
+        s.began = now - 50
         assert s._spaced(session, 40)
         s.share = 0.0                                               # eval_share 0: every eval_steps, as set
         assert s._spaced(session, 5)
