@@ -118,21 +118,31 @@ def agreement(d: Path) -> None:
     print(f"  ranked alike in {alike} of {len(STAGES)} stages")
 
 
-def cost(d: Path) -> None:
+def stage_cost(run: Path) -> dict:
+    """What tau while training cost one finished run: its evaluations' and continuations' seconds
+    (metrics.jsonl) over the stage's wall time (run.json's start to end) and the trainer's loop (the
+    `end` event's elapsed_s)."""
     from longspec.runs import runfolder
 
+    log = runfolder.read_metrics(run / runfolder.METRICS)
+    info = json.loads((run / "run.json").read_text())
+    wall = float(info["ended_unix"]) - float(info["started_unix"])
+    loop = float([e for e in log.events if e.get("event") == "end"][-1]["elapsed_s"])
+    ev = sum(float(r.get("eval_s", 0)) for r in log.simtau)
+    co = sum(float(r.get("continuations_s", 0)) for r in log.simtau)
+    return {"evaluations": len(log.simtau), "steps": [r["step"] for r in log.simtau], "eval_s": ev,
+            "continuations_s": co, "wall_s": wall, "loop_s": loop, "share_of_stage": (ev + co) / wall,
+            "share_of_loop": (ev + co) / loop}
+
+
+def cost(d: Path) -> None:
     print("cost (metrics.jsonl: evaluations + continuations; over the stage's wall time, run.json's start to end, "
           "and over the trainer's, the `end` event's elapsed_s):")
     for stage in STAGES:
-        run = d / "runs" / stage
-        log = runfolder.read_metrics(run / runfolder.METRICS)
-        info = json.loads((run / "run.json").read_text())
-        wall = float(info["ended_unix"]) - float(info["started_unix"])
-        loop = float([e for e in log.events if e.get("event") == "end"][-1]["elapsed_s"])
-        ev = sum(float(r.get("eval_s", 0)) for r in log.simtau)
-        co = sum(float(r.get("continuations_s", 0)) for r in log.simtau)
-        print(f"  {stage:8} {len(log.simtau)} evaluations {ev:5.2f} s + continuations {co:5.2f} s: "
-              f"{(ev + co) / wall:.1%} of the stage's {wall:5.1f} s, {(ev + co) / loop:.1%} of the trainer's {loop:5.1f} s")
+        c = stage_cost(d / "runs" / stage)
+        print(f"  {stage:8} {c['evaluations']} evaluations {c['eval_s']:5.2f} s + continuations "
+              f"{c['continuations_s']:5.2f} s: {c['share_of_stage']:.1%} of the stage's {c['wall_s']:5.1f} s, "
+              f"{c['share_of_loop']:.1%} of the trainer's {c['loop_s']:5.1f} s")
 
 
 def estimate(a) -> None:

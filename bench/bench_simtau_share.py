@@ -67,20 +67,15 @@ def build(d: Path) -> tuple[Path, Path]:
 
 
 def cost(run: Path) -> dict:
+    from bench_simtau import stage_cost
     from longspec.runs import runfolder
 
-    log = runfolder.read_metrics(run / runfolder.METRICS)
-    info = json.loads((run / "run.json").read_text())
-    wall = float(info["ended_unix"]) - float(info["started_unix"])
-    loop = float([e for e in log.events if e.get("event") == "end"][-1]["elapsed_s"])
-    ev = sum(float(r.get("eval_s", 0)) for r in log.simtau)
-    co = sum(float(r.get("continuations_s", 0)) for r in log.simtau)
-    steps = [r["step"] for r in log.simtau]
-    first = next((r for r in log.simtau if "continuations_s" in r), {})
-    return {"evaluations": len(steps), "steps": steps, "eval_s": round(ev, 1), "continuations_s": round(co, 1),
+    c = stage_cost(run)
+    first = next((r for r in runfolder.read_metrics(run / runfolder.METRICS).simtau if "continuations_s" in r), {})
+    return {**{k: round(v, 4 if k.startswith("share") else 1) if isinstance(v, float) else v for k, v in c.items()},
             "continuations": {k: first.get(f"continuations_{k}") for k in ("made", "reused", "cached")},
-            "wall_s": round(wall, 1), "loop_s": round(loop, 1), "share_of_stage": round((ev + co) / wall, 4),
-            "share_of_loop": round((ev + co) / loop, 4), "taus": [round(float(r["tau"]), 4) for r in log.simtau]}
+            "taus": [round(float(r["tau"]), 4)
+                     for r in runfolder.read_metrics(run / runfolder.METRICS).simtau]}
 
 
 def main() -> None:
