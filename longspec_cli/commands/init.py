@@ -28,8 +28,9 @@ A local --target folder is read (config.json, tokenizer files; nothing is loaded
 Stages are sized to the target and this machine: the recipe's sizes (LongSpec's, a 32B target on
 8 GPUs) where the GPUs here fit them by the memory estimate, fitted batches and lengths where they
 do not, and short CPU stages (about an hour each, from a measured matrix-multiply rate) for a
-small target on a machine without a GPU. init prints what it chose, why, and the rough cost;
---full-size writes the recipe's sizes anyway, --gpus N sizes for N GPUs.
+small target on a machine without a GPU. init prints what it chose, why, and the rough cost: the
+tokens of a step, and its time on a GPU whose data sheet it lists (H100, H200, A100, ...) or on this
+CPU; --full-size writes the recipe's sizes anyway, --gpus N sizes for N GPUs.
 
 Nothing is overwritten without --force. With no flags on a terminal, a full-screen form asks."""
 
