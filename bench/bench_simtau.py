@@ -127,12 +127,11 @@ def stage_cost(run: Path) -> dict:
     log = runfolder.read_metrics(run / runfolder.METRICS)
     info = json.loads((run / "run.json").read_text())
     wall = float(info["ended_unix"]) - float(info["started_unix"])
-    loop = float([e for e in log.events if e.get("event") == "end"][-1]["elapsed_s"])
-    ev = sum(float(r.get("eval_s", 0)) for r in log.simtau)
+    loop, spent = log.loop_seconds, log.tau_seconds
     co = sum(float(r.get("continuations_s", 0)) for r in log.simtau)
-    return {"evaluations": len(log.simtau), "steps": [r["step"] for r in log.simtau], "eval_s": ev,
-            "continuations_s": co, "wall_s": wall, "loop_s": loop, "share_of_stage": (ev + co) / wall,
-            "share_of_loop": (ev + co) / loop}
+    return {"evaluations": len(log.simtau), "steps": [r["step"] for r in log.simtau], "eval_s": spent - co,
+            "continuations_s": co, "wall_s": wall, "loop_s": loop, "share_of_stage": spent / wall,
+            "share_of_loop": spent / loop, "taus": [round(float(r["tau"]), 4) for r in log.simtau], "log": log}
 
 
 def cost(d: Path) -> None:

@@ -68,14 +68,11 @@ def build(d: Path) -> tuple[Path, Path]:
 
 def cost(run: Path) -> dict:
     from bench_simtau import stage_cost
-    from longspec.runs import runfolder
 
     c = stage_cost(run)
-    first = next((r for r in runfolder.read_metrics(run / runfolder.METRICS).simtau if "continuations_s" in r), {})
+    first = next((r for r in c.pop("log").simtau if "continuations_s" in r), {})
     return {**{k: round(v, 4 if k.startswith("share") else 1) if isinstance(v, float) else v for k, v in c.items()},
-            "continuations": {k: first.get(f"continuations_{k}") for k in ("made", "reused", "cached")},
-            "taus": [round(float(r["tau"]), 4)
-                     for r in runfolder.read_metrics(run / runfolder.METRICS).simtau]}
+            "continuations": {k: first.get(f"continuations_{k}") for k in ("made", "reused", "cached")}}
 
 
 def main() -> None:

@@ -85,6 +85,22 @@ class MetricsLog:
     def simtau(self) -> list[dict]:
         return [r for r in self.records if is_simtau_record(r)]
 
+    @property
+    def tau_seconds(self) -> float:
+        """Seconds the trainer spent on tau while training: every evaluation's walk (`eval_s`) and
+        the first one's continuations (`continuations_s`)."""
+        return sum(_seconds(r.get("eval_s")) + _seconds(r.get("continuations_s")) for r in self.simtau)
+
+    @property
+    def loop_seconds(self) -> float | None:
+        """The training loop's seconds (the last `end` event's `elapsed_s`); None before one ended."""
+        ends = [_seconds(e.get("elapsed_s")) for e in self.events if e.get("event") == "end"]
+        return ends[-1] if ends and ends[-1] > 0 else None
+
+
+def _seconds(v) -> float:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
+
 
 LIFECYCLE_EVENTS = ("start", "resume", "end", "error", "preempted")  # what a run did last; not `checkpoint`
 

@@ -357,11 +357,8 @@ def _outcome(spec: StageSpec, action: str, result: str, wall_s: float | None = N
 def _sim_cost(rd: runfolder.RunDir) -> tuple | None:
     """(seconds the trainer spent on tau while training, its wall seconds) from metrics.jsonl."""
     log = rd.metrics()
-    ends = [e for e in log.events if e.get("event") == "end" and as_float(e.get("elapsed_s"))]
-    if not ends:
-        return None
-    spent = sum((as_float(r.get("eval_s")) or 0.0) + (as_float(r.get("continuations_s")) or 0.0) for r in log.simtau)
-    return spent, as_float(ends[-1]["elapsed_s"])
+    loop = log.loop_seconds
+    return None if loop is None else (log.tau_seconds, loop)
 
 
 def _cost_text(o: StageOutcome) -> str:

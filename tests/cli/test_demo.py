@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from longspec.runs import runfolder
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -72,6 +74,11 @@ def test_demo_regenerates_then_runs_three_chained_stages_and_prints_the_summary(
         assert all("baseline" in b and b["chain"]["tau"] >= 1.0 for b in ev[s]["by_length"])
     assert ev["base"]["lengths"] == [64, 128]
     assert "tau by context length" in res.stdout
+    # what tau while training cost each stage, from metrics.jsonl (runfolder.MetricsLog.tau_seconds)
+    (cost,) = [line for line in res.stdout.splitlines() if line.startswith("sim tau (eval's chain tau while training) cost")]
+    for s in runs:
+        log = runfolder.read_metrics(runs[s] / "metrics.jsonl")
+        assert f"{s} {log.tau_seconds:.1f} s of " in cost and log.tau_seconds > 0, cost
     # the summary table: one row per stage with steps, losses, tokens/s, wall time, tau, speed-up, sha256 prefix
     header = next(line.split() for line in res.stdout.splitlines() if line.split()[:3] == ["stage", "action", "result"])
     assert header == ["stage", "action", "result", "steps", "first", "loss", "last", "loss", "tokens/s", "wall", "s",

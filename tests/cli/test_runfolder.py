@@ -225,3 +225,15 @@ def test_a_simtau_line_is_neither_a_step_record_nor_an_event(tmp_path):
     rd = R.RunDir(tmp_path)
     assert rd.last_step_record()["step"] == 11 and rd.last_simtau_record() == rec
     assert rd.best() is None and rd.best_draft() is None
+
+
+def test_tau_seconds_and_the_loop_seconds_read_from_metrics_lines(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    tau = {"record": "simtau", "step": 0, "total_steps": 4, "tau": 1.5, "alpha": [0.5], "gamma": 1}
+    lines = [{**tau, "eval_s": 0.5, "continuations_s": 2.0}, {**tau, "step": 2, "eval_s": 0.25},
+             {**tau, "step": 4, "eval_s": True}, {"event": "end", "step": 4, "time": 1.0, "elapsed_s": 9.0}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    log = R.read_metrics(path)
+    assert log.tau_seconds == 2.75 and log.loop_seconds == 9.0          # a boolean is no seconds
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines[:2]))
+    assert R.read_metrics(path).loop_seconds is None                   # not ended yet
