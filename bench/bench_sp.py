@@ -96,6 +96,11 @@ def worker(a: argparse.Namespace) -> None:
     shared_gpu = a.device == "cuda" and torch.cuda.device_count() < world
     deepspeed.init_distributed(dist_backend="gloo" if a.device == "cpu" or shared_gpu else "nccl")
     rank = dist.get_rank()
+    if a.device == "cpu":     # DeepSpeed's CPU comm op never removes its shared-memory buffer
+        from longspec.training.rank import unlink_shm_buffer
+
+        dist.barrier()
+        unlink_shm_buffer(rank)
     dev = torch.device("cpu")
     if a.device == "cuda":
         dev = torch.device("cuda", 0 if shared_gpu else int(os.environ.get("LOCAL_RANK", 0)))

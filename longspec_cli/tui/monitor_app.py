@@ -371,7 +371,9 @@ class MonitorApp(App[None]):
         except subprocess.TimeoutExpired:
             self.call_from_thread(self.notify, f"{what}: started (pid {proc.pid}); output in {out_path}")
             return
-        tail = "\n".join(Path(out_path).read_text(errors="replace").strip().splitlines()[-4:])
+        log = Path(out_path)
+        tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-4:])
+        log.unlink(missing_ok=True)             # finished: its last lines are in the notification
         self._post(("invalidate",))
         if rc == 0:
             self.call_from_thread(self.notify, f"{what}: done" + (f"\n{tail}" if tail else ""))

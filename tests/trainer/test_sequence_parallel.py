@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,10 +38,14 @@ def test_prepare_shifts_labels_before_sharding_and_pads_to_a_multiple_of_sp():
     assert short.key_mask.tolist() == [[1, 1, 1, 1], [0, 0, 0, 0], [0, 0, 0, 0]]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+ABORT = re.compile(r"terminate called|what\(\)|Traceback|Error|Signal \d+|exitcode")
+
+
+def _why(proc: subprocess.CompletedProcess) -> str:
+    """The ranks' own error lines first (a C++ abort's `what()`, a traceback), then the tails."""
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ABORT.search(ln)]
+    return ("\n".join(lines[:40]) + f"\n--- rc={proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}"
+            f"\n--- stderr\n{proc.stderr[-5000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +57,18 @@ def sp_report(tmp_path_factory) -> list[dict]:
     out = tmp / "report.json"
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
                TOKENIZERS_PARALLELISM="false")
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-            "--master_port", str(_free_port()), str(ROOT / "tests/trainer/sp_worker.py"), tiny["target"], str(out)]
+    # --standalone: torchrun binds its own free port (no window between choosing one and binding it
+    # in which the other test worker's job can take it).
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            str(ROOT / "tests/trainer/sp_worker.py"), tiny["target"], str(out)]
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    if proc.returncode != 0 and re.search(r"Signal \d+ \(SIG", proc.stderr):
+        # A rank killed by a signal (once in CI: SIGABRT in gloo while the other pytest worker ran its
+        # own jobs; never here in 13 loaded reruns) is run again once; a wrong result is not.
+        first = _why(proc)
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, "twice a rank died:\n" + first + "\n=== again\n" + _why(proc)
+    assert proc.returncode == 0, _why(proc)
     return json.loads(out.read_text())["ranks"]
 
 

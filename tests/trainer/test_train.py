@@ -737,6 +737,9 @@ from longspec.model.zero import parameter_bytes
 target, out = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
 deepspeed.init_distributed(dist_backend="gloo")
 rank = torch.distributed.get_rank()
+torch.distributed.barrier()
+from longspec.training.rank import unlink_shm_buffer
+unlink_shm_buffer(rank)   # as the trainer does
 ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
       "zero_optimization": {"stage": 3}}
 torch.manual_seed(0)
@@ -814,6 +817,7 @@ def test_zero3_build_partitions_target_and_draft_on_each_rank_with_unchanged_val
                            tiny["target"], str(out)], cwd=tmp_path, env=env(), capture_output=True,
                           text=True, timeout=LAUNCH_TIMEOUT)
     assert proc.returncode == 0, show(proc)
+    assert shm_left(proc) == []
     for i in (0, 1):
         r = json.loads(Path(f"{out}.{i}.json").read_text())
         assert r["partitioned"] == r["names"]                  # every parameter, target and draft

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 
 from longspec_cli.tui.monitor_app import MonitorApp
 from longspec_cli.tui.widgets.confirm import ConfirmScreen
@@ -106,7 +107,10 @@ async def test_next_stage_refused_on_a_running_stage(running, sampler):
         assert any("needs a done stage" in n.message for n in app._notifications)
 
 
-async def test_stop_asks_then_runs_longspec_stop(running, sampler, recorder):
+async def test_stop_asks_then_runs_longspec_stop(running, sampler, recorder, tmp_path, monkeypatch):
+    logs = tmp_path / "tmp"
+    logs.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(logs))     # where the command's output goes
     app = _app(running, sampler, recorder, clock=lambda: RUNNING_CLOCK)
     async with app.run_test(size=SIZE) as pilot:
         await settle(pilot, app)
@@ -118,7 +122,10 @@ async def test_stop_asks_then_runs_longspec_stop(running, sampler, recorder):
         await pilot.press("s")
         await pilot.press("y")
         await wait_until(pilot, lambda: recorder.calls() != [], 10, "longspec stop")
+        await wait_until(pilot, lambda: any("stop long: done" in n.message for n in app._notifications),
+                         10, "the stop's notification")
     assert recorder.calls() == [["stop", str(running)]]
+    assert list(logs.iterdir()) == []                         # its output file went with it
 
 
 async def test_run_starts_the_first_stage_of_a_fresh_project(fresh, sampler, recorder):
