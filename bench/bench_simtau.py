@@ -128,7 +128,7 @@ def stage_cost(run: Path) -> dict:
     info = json.loads((run / "run.json").read_text())
     wall = float(info["ended_unix"]) - float(info["started_unix"])
     loop, spent = log.loop_seconds, log.tau_seconds
-    co = sum(float(r.get("continuations_s", 0)) for r in log.simtau)
+    co = log.continuations_seconds
     return {"evaluations": len(log.simtau), "steps": [r["step"] for r in log.simtau], "eval_s": spent - co,
             "continuations_s": co, "wall_s": wall, "loop_s": loop, "share_of_stage": spent / wall,
             "share_of_loop": spent / loop, "taus": [round(float(r["tau"]), 4) for r in log.simtau], "log": log}

@@ -86,10 +86,15 @@ class MetricsLog:
         return [r for r in self.records if is_simtau_record(r)]
 
     @property
+    def continuations_seconds(self) -> float:
+        """Seconds the first evaluation spent on the target's continuations (`continuations_s`)."""
+        return sum(_seconds(r.get("continuations_s")) for r in self.simtau)
+
+    @property
     def tau_seconds(self) -> float:
         """Seconds the trainer spent on tau while training: every evaluation's walk (`eval_s`) and
-        the first one's continuations (`continuations_s`)."""
-        return sum(_seconds(r.get("eval_s")) + _seconds(r.get("continuations_s")) for r in self.simtau)
+        the first one's continuations."""
+        return sum(_seconds(r.get("eval_s")) for r in self.simtau) + self.continuations_seconds
 
     @property
     def loop_seconds(self) -> float | None:

@@ -235,5 +235,6 @@ def test_tau_seconds_and_the_loop_seconds_read_from_metrics_lines(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     log = R.read_metrics(path)
     assert log.tau_seconds == 2.75 and log.loop_seconds == 9.0          # a boolean is no seconds
+    assert log.continuations_seconds == 2.0
     path.write_text("".join(json.dumps(r) + "\n" for r in lines[:2]))
     assert R.read_metrics(path).loop_seconds is None                   # not ended yet
